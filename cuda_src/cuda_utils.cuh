@@ -1,0 +1,77 @@
+// CUDA-only helpers: vector packs, warp/block reductions, launch geometry.
+#pragma once
+#include <cuda_runtime.h>
+#include <mutex>
+#include <string>
+#include "cuda_src/common.h"
+
+namespace jax_ops {
+
+// PACK elements moved by one (up to 16-byte) load or store.
+template <typename T, int PACK>
+struct alignas(sizeof(T) * PACK) Pack { T v[PACK]; };
+
+template <typename T, int PACK>
+__device__ __forceinline__ void load_pack(const T* p, float (&out)[PACK]) {
+  const Pack<T, PACK> pk = *reinterpret_cast<const Pack<T, PACK>*>(p);
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) out[k] = to_float(pk.v[k]);
+}
+
+template <typename T, int PACK>
+__device__ __forceinline__ void store_pack(T* p, const float (&in)[PACK]) {
+  Pack<T, PACK> pk;
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) pk.v[k] = from_float<T>(in[k]);
+  *reinterpret_cast<Pack<T, PACK>*>(p) = pk;
+}
+
+// Sum over aligned groups of WIDTH lanes; every lane of the group gets the same
+// value (a + b == b + a exactly, so the butterfly is consistent across lanes).
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off, WIDTH);
+  return v;
+}
+
+// Number of multiprocessors of the current device, cached per device.
+inline int sm_count() {
+  static std::mutex mu;
+  static int counts[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
+  std::lock_guard<std::mutex> lock(mu);
+  if (counts[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
+    counts[dev] = n;
+  }
+  return counts[dev];
+}
+
+inline int max_smem_per_block() {
+  int dev = 0, v = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 48 * 1024;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 48 * 1024;
+  return v;
+}
+
+// Blocks for a persistent grid: as many as can be resident at once (capped by
+// the work available), so a few waves never leave the tail half empty.
+template <typename Kernel>
+cudaError_t resident_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks, int* blocks) {
+  int per_sm = 0;
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  const int64_t resident = int64_t(per_sm) * sm_count();
+  *blocks = int(work_blocks < resident ? (work_blocks < 1 ? 1 : work_blocks) : resident);
+  return cudaSuccess;
+}
+
+inline std::string cuda_error_message(const char* what, cudaError_t err) {
+  return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+}
+
+}  // namespace jax_ops

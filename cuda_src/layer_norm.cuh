@@ -1,0 +1,659 @@
+// LayerNorm / RMSNorm CUDA kernels (forward and backward) and their launchers.
+//
+// Rows are the flattened leading axes, normalization runs over the last axis.
+// Forward tiers, by row length (cols):
+//   cols <= 1024 : a group of WIDTH lanes (1..32) per row, row held in registers;
+//                  groups narrower than a warp take two rows at a time.
+//   cols  > 1024 : a block per row, row cached in shared memory, or read twice
+//                  from global memory when shared memory cannot hold it.
+// Backward tiers:
+//   cols <= 1024 : group per row, x and dy in registers, per-column dscale/dbias
+//                  partials in registers, summed per block through shared memory.
+//   cols <= 8192 : block per row, row and partials in registers.
+//   larger       : block per row for dx (x, dy cached in shared memory or read
+//                  twice) and a column-tiled kernel for the dscale/dbias partials.
+// Partials are [partial_rows, cols] float32 and summed by a second kernel in a
+// fixed order: no atomics, bitwise reproducible.
+#pragma once
+#include <cuda_runtime.h>
+#include <functional>
+#include "cuda_src/common.h"
+#include "cuda_src/cuda_utils.cuh"
+#include "cuda_src/norm_math.h"
+
+namespace jax_ops::norm {
+
+constexpr int kRegsThreads = 128;
+constexpr int kRegsMaxCols = 1024;
+// Block-per-row backward keeps 8 elements of x, dy and partials per thread at most
+// (about 64 registers at 1024 threads), so rows up to 8192 elements.
+constexpr int kBlockRegsMaxCols = 8192;
+
+template <typename P, int PACK>
+__device__ __forceinline__ void load_param(const void* p, int64_t col, float fallback, float (&out)[PACK]) {
+  if (p == nullptr) {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out[k] = fallback;
+  } else {
+    load_pack<P, PACK>(static_cast<const P*>(p) + col, out);
+  }
+}
+
+// Welford/sum-of-squares merge over aligned groups of WIDTH lanes. The lower
+// lane's state always goes first, so every lane ends with bitwise equal stats.
+template <int WIDTH>
+__device__ __forceinline__ NormAcc group_merge(NormAcc acc, bool rms) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) {
+    NormAcc o;
+    o.mean = __shfl_xor_sync(0xffffffffu, acc.mean, off, WIDTH);
+    o.m2 = __shfl_xor_sync(0xffffffffu, acc.m2, off, WIDTH);
+    o.count = __shfl_xor_sync(0xffffffffu, acc.count, off, WIDTH);
+    if (threadIdx.x & off) { o.merge(acc, rms); acc = o; }
+    else acc.merge(o, rms);
+  }
+  return acc;
+}
+
+// Whole-block merge; returns the row statistics to every thread.
+__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms) {
+  __shared__ float red[3][32];
+  __shared__ RowStats bcast;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  acc = group_merge<32>(acc, rms);
+  if (lane == 0) { red[0][warp] = acc.mean; red[1][warp] = acc.m2; red[2][warp] = acc.count; }
+  __syncthreads();
+  if (warp == 0) {
+    NormAcc w;
+    if (lane < nwarps) { w.mean = red[0][lane]; w.m2 = red[1][lane]; w.count = red[2][lane]; }
+    w = group_merge<32>(w, rms);
+    if (lane == 0) bcast = finish_stats(w, cols, eps, rms);
+  }
+  __syncthreads();
+  return bcast;
+}
+
+// Sums of two values over the block, returned to every thread (fixed order).
+__device__ __forceinline__ float2 block_sum2(float a, float b) {
+  __shared__ float red[2][32];
+  __shared__ float2 bcast;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  a = group_sum<32>(a); b = group_sum<32>(b);
+  if (lane == 0) { red[0][warp] = a; red[1][warp] = b; }
+  __syncthreads();
+  if (warp == 0) {
+    float wa = lane < nwarps ? red[0][lane] : 0.f, wb = lane < nwarps ? red[1][lane] : 0.f;
+    wa = group_sum<32>(wa); wb = group_sum<32>(wb);
+    if (lane == 0) bcast = make_float2(wa, wb);
+  }
+  __syncthreads();
+  return bcast;
+}
+
+// ---------------------------------------------------------------- forward ---
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
+__global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
+  constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
+  const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
+  for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+       tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+    float buf[ROWS][N];
+    NormAcc acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        float f[PACK];
+        if (row < a.rows && col < a.cols) {
+          load_pack<T, PACK>(x + row * a.cols + col, f);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) acc[r].add(f[k], a.rms);
+        } else {
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) f[k] = 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) buf[r][v * PACK + k] = f[k];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+      const RowStats st = finish_stats(group_merge<WIDTH>(acc[r], a.rms), a.cols, a.eps, a.rms);
+      if (row >= a.rows) continue;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (col >= a.cols) continue;
+        float sc[PACK], bi[PACK], out[PACK];
+        load_param<P, PACK>(a.scale, col, 1.f, sc);
+        load_param<P, PACK>(a.bias, col, 0.f, bi);
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) out[k] = norm_out(buf[r][v * PACK + k], st, sc[k], bi[k]);
+        store_pack<T, PACK>(y + row * a.cols + col, out);
+      }
+      if (glane == 0 && a.rstd != nullptr) {
+        if (a.mean != nullptr) a.mean[row] = st.mean;
+        a.rstd[row] = st.rstd;
+      }
+    }
+  }
+}
+
+template <typename T, typename P, int PACK, bool CACHE>
+__global__ void fwd_block_kernel(FwdArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  using PackT = Pack<T, PACK>;
+  PackT* cache = reinterpret_cast<PackT*>(smem_raw);
+  const int64_t nvec = a.cols / PACK;
+  const PackT* x = static_cast<const PackT*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const PackT* xr = x + row * nvec;
+    NormAcc acc;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const PackT pk = xr[v];
+      if (CACHE) cache[v] = pk;
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) acc.add(to_float(pk.v[k]), a.rms);
+    }
+    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const PackT pk = CACHE ? cache[v] : xr[v];
+      float sc[PACK], bi[PACK], out[PACK];
+      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
+      load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(pk.v[k]), st, sc[k], bi[k]);
+      store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
+    }
+    if (threadIdx.x == 0 && a.rstd != nullptr) {
+      if (a.mean != nullptr) a.mean[row] = st.mean;
+      a.rstd[row] = st.rstd;
+    }
+    // The next row overwrites the cache only after every thread has read it.
+    if (CACHE) __syncthreads();
+  }
+}
+
+// --------------------------------------------------------------- backward ---
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
+__global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(BwdArgs a, float* part_ds, float* part_db) {
+  constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
+  const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const float inv_n = 1.f / float(a.cols);
+  float ds[N], db[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) { ds[i] = 0.f; db[i] = 0.f; }
+  for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+       tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+    float xh[ROWS][N], g[ROWS][N], sum_g[ROWS], sum_gx[ROWS], rstd[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+      const bool valid = row < a.rows;
+      const float mean = (valid && !a.rms) ? a.mean[row] : 0.f;
+      rstd[r] = valid ? a.rstd[row] : 0.f;
+      sum_g[r] = 0.f; sum_gx[r] = 0.f;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        float xv[PACK], dyv[PACK], sc[PACK];
+        if (valid && col < a.cols) {
+          load_pack<T, PACK>(x + row * a.cols + col, xv);
+          load_pack<T, PACK>(dy + row * a.cols + col, dyv);
+          load_param<P, PACK>(a.scale, col, 1.f, sc);
+        } else {
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) { xv[k] = mean; dyv[k] = 0.f; sc[k] = 0.f; }
+        }
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) {
+          const int i = v * PACK + k;
+          xh[r][i] = (xv[k] - mean) * rstd[r];
+          g[r][i] = dyv[k] * sc[k];
+          sum_g[r] += g[r][i];
+          sum_gx[r] += g[r][i] * xh[r][i];
+          ds[i] += dyv[k] * xh[r][i];
+          db[i] += dyv[k];
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+      const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g[r]) * inv_n;
+      const float mgx = group_sum<WIDTH>(sum_gx[r]) * inv_n;
+      if (row >= a.rows) continue;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (col >= a.cols) continue;
+        float out[PACK];
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) {
+          const int i = v * PACK + k;
+          out[k] = norm_dx(g[r][i], xh[r][i], rstd[r], mg, mgx);
+        }
+        store_pack<T, PACK>(dx + row * a.cols + col, out);
+      }
+    }
+  }
+  if (part_ds == nullptr && part_db == nullptr) return;
+  // Per-block partials: each row group's per-column sums go to shared memory,
+  // then are added in group order.
+  extern __shared__ float red[];  // [2][groups per block][cols]
+  constexpr int GROUPS_PER_BLOCK = kRegsThreads / WIDTH;
+  const int gb = threadIdx.x / WIDTH;
+  float* red_ds = red;
+  float* red_db = red + GROUPS_PER_BLOCK * a.cols;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+    if (col >= a.cols) continue;
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      red_ds[gb * a.cols + col + k] = ds[v * PACK + k];
+      red_db[gb * a.cols + col + k] = db[v * PACK + k];
+    }
+  }
+  __syncthreads();
+  for (int64_t col = threadIdx.x; col < a.cols; col += kRegsThreads) {
+    float s_ds = 0.f, s_db = 0.f;
+    for (int j = 0; j < GROUPS_PER_BLOCK; ++j) { s_ds += red_ds[j * a.cols + col]; s_db += red_db[j * a.cols + col]; }
+    if (part_ds) part_ds[blockIdx.x * a.cols + col] = s_ds;
+    if (part_db) part_db[blockIdx.x * a.cols + col] = s_db;
+  }
+}
+
+// Block per row; each thread owns K packs of every row (fixed columns), so its
+// dscale/dbias partials stay in registers across rows.
+template <typename T, typename P, int PACK, int K>
+__global__ void __launch_bounds__(1024) bwd_block_regs_kernel(BwdArgs a, float* part_ds, float* part_db) {
+  constexpr int N = K * PACK;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const float inv_n = 1.f / float(a.cols);
+  float ds[N], db[N], sc[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) { ds[i] = 0.f; db[i] = 0.f; }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+    float s[PACK];
+    if (col < a.cols) load_param<P, PACK>(a.scale, col, 1.f, s);
+#pragma unroll
+    for (int j = 0; j < PACK; ++j) sc[k * PACK + j] = col < a.cols ? s[j] : 0.f;
+  }
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const float mean = a.rms ? 0.f : a.mean[row];
+    const float rstd = a.rstd[row];
+    float xh[N], g[N], dyv[N], sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+      float xv[PACK], dv[PACK];
+      if (col < a.cols) {
+        load_pack<T, PACK>(x + row * a.cols + col, xv);
+        load_pack<T, PACK>(dy + row * a.cols + col, dv);
+      } else {
+#pragma unroll
+        for (int j = 0; j < PACK; ++j) { xv[j] = mean; dv[j] = 0.f; }
+      }
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) {
+        const int i = k * PACK + j;
+        dyv[i] = dv[j];
+        xh[i] = (xv[j] - mean) * rstd;
+        g[i] = dv[j] * sc[i];
+        sum_g += g[i];
+        sum_gx += g[i] * xh[i];
+      }
+    }
+    const float2 sums = block_sum2(sum_g, sum_gx);
+    const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+      if (col >= a.cols) continue;
+      float out[PACK];
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) {
+        const int i = k * PACK + j;
+        out[j] = norm_dx(g[i], xh[i], rstd, mg, mgx);
+        ds[i] += dyv[i] * xh[i];
+        db[i] += dyv[i];
+      }
+      store_pack<T, PACK>(dx + row * a.cols + col, out);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+    if (col >= a.cols) continue;
+#pragma unroll
+    for (int j = 0; j < PACK; ++j) {
+      if (part_ds) part_ds[blockIdx.x * a.cols + col + j] = ds[k * PACK + j];
+      if (part_db) part_db[blockIdx.x * a.cols + col + j] = db[k * PACK + j];
+    }
+  }
+}
+
+// Block per row for long rows: dx only (x and dy cached in shared memory, or
+// read twice); dscale/dbias come from param_grad_kernel.
+template <typename T, typename P, int PACK, bool CACHE>
+__global__ void bwd_block_kernel(BwdArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  using PackT = Pack<T, PACK>;
+  const int64_t nvec = a.cols / PACK;
+  PackT* cache_x = reinterpret_cast<PackT*>(smem_raw);
+  PackT* cache_dy = cache_x + nvec;
+  const PackT* x = static_cast<const PackT*>(a.x);
+  const PackT* dy = static_cast<const PackT*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const float inv_n = 1.f / float(a.cols);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const float mean = a.rms ? 0.f : a.mean[row];
+    const float rstd = a.rstd[row];
+    float sum_g = 0.f, sum_gx = 0.f;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const PackT px = x[row * nvec + v], pd = dy[row * nvec + v];
+      if (CACHE) { cache_x[v] = px; cache_dy[v] = pd; }
+      float sc[PACK];
+      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const float g = to_float(pd.v[k]) * sc[k];
+        sum_g += g;
+        sum_gx += g * (to_float(px.v[k]) - mean) * rstd;
+      }
+    }
+    const float2 sums = block_sum2(sum_g, sum_gx);
+    const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+      const PackT px = CACHE ? cache_x[v] : x[row * nvec + v];
+      const PackT pd = CACHE ? cache_dy[v] : dy[row * nvec + v];
+      float sc[PACK], out[PACK];
+      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
+#pragma unroll
+      for (int k = 0; k < PACK; ++k)
+        out[k] = norm_dx(to_float(pd.v[k]) * sc[k], (to_float(px.v[k]) - mean) * rstd, rstd, mg, mgx);
+      store_pack<T, PACK>(dx + row * a.cols + v * PACK, out);
+    }
+    if (CACHE) __syncthreads();
+  }
+}
+
+// Column-tiled dscale/dbias partials for long rows: block (32, 8) covers 32
+// columns of one chunk of rows; partial row = chunk index.
+template <typename T>
+__global__ void __launch_bounds__(256) param_grad_kernel(BwdArgs a, int64_t chunk_rows, float* part_ds, float* part_db) {
+  __shared__ float red[2][8][33];
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  const int64_t col = int64_t(blockIdx.x) * 32 + tx;
+  const int64_t r0 = int64_t(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < a.rows ? r0 + chunk_rows : a.rows;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  float ds = 0.f, db = 0.f;
+  if (col < a.cols) {
+    for (int64_t row = r0 + ty; row < r1; row += 8) {
+      const float mean = a.rms ? 0.f : a.mean[row];
+      const float d = to_float(dy[row * a.cols + col]);
+      ds += d * (to_float(x[row * a.cols + col]) - mean) * a.rstd[row];
+      db += d;
+    }
+  }
+  red[0][ty][tx] = ds; red[1][ty][tx] = db;
+  __syncthreads();
+  if (ty == 0 && col < a.cols) {
+    float s_ds = 0.f, s_db = 0.f;
+    for (int j = 0; j < 8; ++j) { s_ds += red[0][j][tx]; s_db += red[1][j][tx]; }
+    if (part_ds) part_ds[blockIdx.y * a.cols + col] = s_ds;
+    if (part_db) part_db[blockIdx.y * a.cols + col] = s_db;
+  }
+}
+
+// out[col] = Σ_j part[j, col], j in a fixed order per column.
+template <typename P>
+__global__ void __launch_bounds__(256) sum_partials_kernel(const float* part, int64_t nrows, int64_t cols, P* out) {
+  __shared__ float red[8][33];
+  const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
+  const int64_t col = int64_t(blockIdx.x) * 32 + tx;
+  float s = 0.f;
+  if (col < cols)
+    for (int64_t j = ty; j < nrows; j += 8) s += part[j * cols + col];
+  red[ty][tx] = s;
+  __syncthreads();
+  if (ty == 0 && col < cols) {
+    float t = 0.f;
+    for (int j = 0; j < 8; ++j) t += red[j][tx];
+    out[col] = from_float<P>(t);
+  }
+}
+
+// -------------------------------------------------------------- launchers ---
+
+inline bool aligned_to(const void* p, size_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+}
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH>
+cudaError_t launch_fwd_regs(const FwdArgs& a, cudaStream_t stream) {
+  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
+  constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
+  auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS>;
+  int blocks = 0;
+  cudaError_t err = resident_blocks(kernel, kRegsThreads, 0, (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, &blocks);
+  if (err != cudaSuccess) return err;
+  kernel<<<blocks, kRegsThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Picks WIDTH (lanes per row) and VPT (packs per lane) for a row of nvec packs.
+template <typename T, typename P, int PACK, int VPT = 1>
+cudaError_t fwd_regs_dispatch(const FwdArgs& a, cudaStream_t stream) {
+  const int64_t nvec = a.cols / PACK;
+  if constexpr (VPT == 1) {
+    if (nvec <= 1) return launch_fwd_regs<T, P, PACK, 1, 1>(a, stream);
+    if (nvec <= 2) return launch_fwd_regs<T, P, PACK, 1, 2>(a, stream);
+    if (nvec <= 4) return launch_fwd_regs<T, P, PACK, 1, 4>(a, stream);
+    if (nvec <= 8) return launch_fwd_regs<T, P, PACK, 1, 8>(a, stream);
+    if (nvec <= 16) return launch_fwd_regs<T, P, PACK, 1, 16>(a, stream);
+  }
+  if constexpr (VPT * 32 * PACK <= kRegsMaxCols) {
+    if (nvec <= 32 * VPT) return launch_fwd_regs<T, P, PACK, VPT, 32>(a, stream);
+    return fwd_regs_dispatch<T, P, PACK, VPT * 2>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, typename P, int PACK>
+cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
+  const int64_t nvec = a.cols / PACK;
+  const int threads = int(nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32);
+  const size_t smem = size_t(a.cols) * sizeof(T);
+  cudaError_t err;
+  int blocks = 0;
+  if (smem <= size_t(max_smem_per_block())) {
+    auto kernel = fwd_block_kernel<T, P, PACK, true>;
+    if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
+    if ((err = resident_blocks(kernel, threads, smem, a.rows, &blocks)) == cudaSuccess) {
+      kernel<<<blocks, threads, smem, stream>>>(a);
+      return cudaGetLastError();
+    }
+  }
+  auto kernel = fwd_block_kernel<T, P, PACK, false>;
+  if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
+  kernel<<<blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, typename P, int PACK>
+cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
+  if (a.cols <= kRegsMaxCols) return fwd_regs_dispatch<T, P, PACK>(a, stream);
+  return launch_fwd_block<T, P, PACK>(a, stream);
+}
+
+template <typename T, typename P>
+cudaError_t launch_fwd(const FwdArgs& a, cudaStream_t stream) {
+  if (a.rows == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.y, 16) &&
+                      aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.bias, sizeof(P) * VEC);
+  return vec_ok ? launch_fwd_packed<T, P, VEC>(a, stream) : launch_fwd_packed<T, P, 1>(a, stream);
+}
+
+// Backward: `alloc(bytes)` hands out device scratch for the partials (null on failure).
+using ScratchFn = std::function<void*(size_t)>;
+
+template <typename P>
+cudaError_t finish_param_grads(const BwdArgs& a, const float* part_ds, const float* part_db,
+                               int64_t nparts, cudaStream_t stream) {
+  const dim3 grid(unsigned((a.cols + 31) / 32));
+  if (part_ds) sum_partials_kernel<P><<<grid, 256, 0, stream>>>(part_ds, nparts, a.cols, static_cast<P*>(a.dscale));
+  if (part_db) sum_partials_kernel<P><<<grid, 256, 0, stream>>>(part_db, nparts, a.cols, static_cast<P*>(a.dbias));
+  return cudaGetLastError();
+}
+
+inline cudaError_t alloc_partials(const BwdArgs& a, int64_t nparts, const ScratchFn& alloc, float** ds, float** db) {
+  *ds = *db = nullptr;
+  const size_t bytes = size_t(nparts) * size_t(a.cols) * sizeof(float);
+  if (a.dscale && !(*ds = static_cast<float*>(alloc(bytes)))) return cudaErrorMemoryAllocation;
+  if (a.dbias && !(*db = static_cast<float*>(alloc(bytes)))) return cudaErrorMemoryAllocation;
+  return cudaSuccess;
+}
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH>
+cudaError_t launch_bwd_regs(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
+  constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
+  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS>;
+  const bool partials = a.dscale || a.dbias;
+  const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
+  cudaError_t err;
+  if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
+  int blocks = 0;
+  if ((err = resident_blocks(kernel, kRegsThreads, smem, (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, &blocks)) != cudaSuccess) return err;
+  float *ds = nullptr, *db = nullptr;
+  if ((err = alloc_partials(a, blocks, alloc, &ds, &db)) != cudaSuccess) return err;
+  kernel<<<blocks, kRegsThreads, smem, stream>>>(a, ds, db);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  return partials ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
+}
+
+template <typename T, typename P, int PACK, int VPT = 1>
+cudaError_t bwd_regs_dispatch(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+  const int64_t nvec = a.cols / PACK;
+  if constexpr (VPT == 1) {
+    if (nvec <= 1) return launch_bwd_regs<T, P, PACK, 1, 1>(a, alloc, stream);
+    if (nvec <= 2) return launch_bwd_regs<T, P, PACK, 1, 2>(a, alloc, stream);
+    if (nvec <= 4) return launch_bwd_regs<T, P, PACK, 1, 4>(a, alloc, stream);
+    if (nvec <= 8) return launch_bwd_regs<T, P, PACK, 1, 8>(a, alloc, stream);
+    if (nvec <= 16) return launch_bwd_regs<T, P, PACK, 1, 16>(a, alloc, stream);
+  }
+  if constexpr (VPT * 32 * PACK <= kRegsMaxCols) {
+    if (nvec <= 32 * VPT) return launch_bwd_regs<T, P, PACK, VPT, 32>(a, alloc, stream);
+    return bwd_regs_dispatch<T, P, PACK, VPT * 2>(a, alloc, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T, typename P, int PACK, int K = 1>
+cudaError_t launch_bwd_block_regs(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+  const int64_t nvec = a.cols / PACK;
+  if (nvec > int64_t(1024) * K) {
+    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, K * 2>(a, alloc, stream);
+    else return cudaErrorInvalidValue;
+  } else {
+    const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
+    auto kernel = bwd_block_regs_kernel<T, P, PACK, K>;
+    cudaError_t err;
+    int blocks = 0;
+    if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
+    float *ds = nullptr, *db = nullptr;
+    if ((err = alloc_partials(a, blocks, alloc, &ds, &db)) != cudaSuccess) return err;
+    kernel<<<blocks, threads, 0, stream>>>(a, ds, db);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    return (a.dscale || a.dbias) ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
+  }
+}
+
+template <typename T, typename P, int PACK>
+cudaError_t launch_bwd_block(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+  const int64_t nvec = a.cols / PACK;
+  const int threads = int(nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32);
+  const size_t smem = 2 * size_t(a.cols) * sizeof(T);
+  cudaError_t err;
+  int blocks = 0;
+  bool launched = false;
+  if (smem <= size_t(max_smem_per_block())) {
+    auto kernel = bwd_block_kernel<T, P, PACK, true>;
+    if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
+    if (resident_blocks(kernel, threads, smem, a.rows, &blocks) == cudaSuccess) {
+      kernel<<<blocks, threads, smem, stream>>>(a);
+      launched = true;
+    }
+  }
+  if (!launched) {
+    auto kernel = bwd_block_kernel<T, P, PACK, false>;
+    if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
+    kernel<<<blocks, threads, 0, stream>>>(a);
+  }
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (!a.dscale && !a.dbias) return cudaSuccess;
+  // Enough row chunks to fill the machine a few times over with 32-column tiles.
+  const int64_t col_tiles = (a.cols + 31) / 32;
+  int64_t chunks = (int64_t(sm_count()) * 16 + col_tiles - 1) / col_tiles;
+  chunks = chunks < 1 ? 1 : (chunks > a.rows ? a.rows : chunks);
+  const int64_t chunk_rows = (a.rows + chunks - 1) / chunks;
+  chunks = (a.rows + chunk_rows - 1) / chunk_rows;
+  float *ds = nullptr, *db = nullptr;
+  if ((err = alloc_partials(a, chunks, alloc, &ds, &db)) != cudaSuccess) return err;
+  param_grad_kernel<T><<<dim3(unsigned(col_tiles), unsigned(chunks)), 256, 0, stream>>>(a, chunk_rows, ds, db);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  return finish_param_grads<P>(a, ds, db, chunks, stream);
+}
+
+template <typename T, typename P, int PACK>
+cudaError_t launch_bwd_packed(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK>(a, alloc, stream);
+  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK>(a, alloc, stream);
+  return launch_bwd_block<T, P, PACK>(a, alloc, stream);
+}
+
+template <typename T, typename P>
+cudaError_t launch_bwd(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+  if (a.rows == 0) {
+    // No rows: dscale/dbias are sums over nothing.
+    cudaError_t err = cudaSuccess;
+    if (a.dscale) err = cudaMemsetAsync(a.dscale, 0, size_t(a.cols) * sizeof(P), stream);
+    if (err == cudaSuccess && a.dbias) err = cudaMemsetAsync(a.dbias, 0, size_t(a.cols) * sizeof(P), stream);
+    return err;
+  }
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) &&
+                      aligned_to(a.dx, 16) && aligned_to(a.scale, sizeof(P) * VEC);
+  return vec_ok ? launch_bwd_packed<T, P, VEC>(a, alloc, stream) : launch_bwd_packed<T, P, 1>(a, alloc, stream);
+}
+
+}  // namespace jax_ops::norm

@@ -1,0 +1,68 @@
+// Host-device math of the LayerNorm/RMSNorm family, shared by the CPU handlers
+// and the CUDA kernels so both compute the same function the same way.
+#pragma once
+#include "cuda_src/common.h"
+
+namespace jax_ops {
+
+// Row statistics accumulator. LayerNorm: Welford mean/M2. RMSNorm: the sum of
+// squares lives in m2 and mean stays 0.
+struct NormAcc : Welford {
+  JO_HD void add(float x, bool rms) {
+    if (rms) { count += 1.f; m2 += x * x; }
+    else Welford::add(x);
+  }
+  JO_HD void merge(const NormAcc& o, bool rms) {
+    if (rms) { count += o.count; m2 += o.m2; }
+    else Welford::merge(o.mean, o.m2, o.count);
+  }
+};
+
+struct RowStats { float mean, rstd; };
+
+namespace norm {
+// Arguments of one forward / backward call (CPU handler or CUDA launcher).
+struct FwdArgs {
+  const void* x; void* y;
+  const void* scale; const void* bias;  // null when absent
+  float* mean; float* rstd;              // null when the statistics are not wanted
+  int64_t rows; int64_t cols; float eps; bool rms;
+};
+
+struct BwdArgs {
+  const void* dy; const void* x;
+  const float* mean; const float* rstd;  // mean is null for RMSNorm
+  const void* scale;                      // null when absent
+  void* dx; void* dscale; void* dbias;    // dscale/dbias null when not wanted
+  int64_t rows; int64_t cols; bool rms;
+};
+}  // namespace norm
+
+JO_HD float rsqrt_f32(float v) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(v);
+#else
+  return 1.f / std::sqrt(v);
+#endif
+}
+
+// mean/rstd of a row from its accumulated statistics over `cols` elements.
+JO_HD RowStats finish_stats(const NormAcc& acc, int64_t cols, float eps, bool rms) {
+  const float var = acc.m2 / float(cols);  // biased variance, or mean square for RMS
+  return RowStats{rms ? 0.f : acc.mean, rsqrt_f32(var + eps)};
+}
+
+// y = (x - mean) * rstd * scale + bias
+JO_HD float norm_out(float x, RowStats s, float scale, float bias) {
+  return (x - s.mean) * s.rstd * scale + bias;
+}
+
+// Backward per element, with g = dy * scale, xhat = (x - mean) * rstd and row
+// sums sum_g = Σ g, sum_gxhat = Σ g·xhat over the n columns:
+//   LayerNorm: dx = rstd · (g − sum_g/n − xhat · sum_gxhat/n)
+//   RMSNorm:   dx = rstd · (g − xhat · sum_gxhat/n)
+JO_HD float norm_dx(float g, float xhat, float rstd, float mean_g, float mean_gxhat) {
+  return rstd * (g - mean_g - xhat * mean_gxhat);
+}
+
+}  // namespace jax_ops

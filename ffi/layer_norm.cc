@@ -1,0 +1,248 @@
+// XLA FFI handlers of the LayerNorm/RMSNorm family ("jax_ops_norm_fwd",
+// "jax_ops_norm_bwd"): CPU always, CUDA when this file is compiled by nvcc.
+// Absent operands/results (no scale, no bias, statistics not wanted) are
+// passed as zero-element buffers.
+#include <cmath>
+#include <vector>
+#include "ffi/common.h"
+#include "ffi/handlers.h"
+#include "cuda_src/norm_math.h"
+#ifdef JAX_OPS_WITH_CUDA
+#include "cuda_src/layer_norm.cuh"
+#endif
+
+namespace jax_ops::norm {
+namespace {
+
+// Validates shapes and dtypes shared by both platforms; fills args.
+struct Shape2D { int64_t rows, cols; };
+
+ffi::ErrorOr<Shape2D> rows_cols(const ffi::AnyBuffer& x, const char* name) {
+  const auto d = x.dimensions();
+  if (d.size() < 1) return ffi::Error::InvalidArgument(std::string(name) + " must have rank >= 1; got a scalar");
+  Shape2D s{1, d.back()};
+  for (size_t i = 0; i + 1 < d.size(); ++i) s.rows *= d[i];
+  return s;
+}
+
+ffi::Error expect_count(const ffi::AnyBuffer& b, const char* name, int64_t want, bool optional) {
+  const int64_t n = int64_t(b.element_count());
+  if (n == want || (optional && n == 0)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + " has shape " + dims_str(b.dimensions()) +
+                                     "; expected " + std::to_string(want) + " elements" +
+                                     (optional ? " (or 0 when absent)" : ""));
+}
+
+ffi::Error expect_f32(const ffi::AnyBuffer& b, const char* name) {
+  if (b.element_count() == 0 || b.element_type() == ffi::DataType::F32) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + " must be float32; got " + dtype_name(b.element_type()));
+}
+
+#define JO_RETURN_IF_ERROR(expr)              \
+  do {                                        \
+    ffi::Error _e = (expr);                   \
+    if (_e.failure()) return _e;              \
+  } while (0)
+
+// Parameter dtype: that of scale, else bias, else float32 (no parameters).
+ffi::ErrorOr<ffi::DataType> param_dtype(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& bias) {
+  const bool has_s = scale.element_count() > 0, has_b = bias.element_count() > 0;
+  if (has_s && has_b && scale.element_type() != bias.element_type())
+    return ffi::Error::InvalidArgument(std::string("scale (") + dtype_name(scale.element_type()) +
+                                       ") and bias (" + dtype_name(bias.element_type()) + ") must share a dtype");
+  return has_s ? scale.element_type() : has_b ? bias.element_type() : ffi::DataType::F32;
+}
+
+ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                               ffi::AnyBuffer y, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                               float eps, bool rms) {
+  auto shape = rows_cols(x, "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols] = shape.value();
+  if (y.element_type() != x.element_type() || y.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("y must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_count(scale, "scale", cols, true));
+  JO_RETURN_IF_ERROR(expect_count(bias, "bias", cols, true));
+  JO_RETURN_IF_ERROR(expect_count(mean, "mean", rows, true));
+  JO_RETURN_IF_ERROR(expect_count(rstd, "rstd", rows, true));
+  JO_RETURN_IF_ERROR(expect_f32(mean, "mean"));
+  JO_RETURN_IF_ERROR(expect_f32(rstd, "rstd"));
+  if (!(eps >= 0.f)) return ffi::Error::InvalidArgument("epsilon must be >= 0");
+  const bool stats = rstd.element_count() > 0 && rows > 0;
+  return FwdArgs{x.untyped_data(), y.untyped_data(),
+                 scale.element_count() ? scale.untyped_data() : nullptr,
+                 bias.element_count() ? bias.untyped_data() : nullptr,
+                 (stats && mean.element_count()) ? static_cast<float*>(mean.untyped_data()) : nullptr,
+                 stats ? static_cast<float*>(rstd.untyped_data()) : nullptr,
+                 rows, cols, eps, rms};
+}
+
+ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                               ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer dx,
+                               ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, bool rms) {
+  auto shape = rows_cols(x, "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols] = shape.value();
+  if (dy.element_type() != x.element_type() || dy.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("dy must match x in shape and dtype");
+  if (dx.element_type() != x.element_type() || dx.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("dx must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_count(mean, "mean", rows, rms));
+  JO_RETURN_IF_ERROR(expect_count(rstd, "rstd", rows, false));
+  JO_RETURN_IF_ERROR(expect_f32(mean, "mean"));
+  JO_RETURN_IF_ERROR(expect_f32(rstd, "rstd"));
+  JO_RETURN_IF_ERROR(expect_count(scale, "scale", cols, true));
+  JO_RETURN_IF_ERROR(expect_count(dscale, "dscale", cols, true));
+  JO_RETURN_IF_ERROR(expect_count(dbias, "dbias", cols, true));
+  if (dscale.element_count() && (!scale.element_count() || dscale.element_type() != scale.element_type()))
+    return ffi::Error::InvalidArgument("dscale needs scale, in scale's dtype");
+  return BwdArgs{dy.untyped_data(), x.untyped_data(),
+                 rms ? nullptr : static_cast<const float*>(mean.untyped_data()),
+                 static_cast<const float*>(rstd.untyped_data()),
+                 scale.element_count() ? scale.untyped_data() : nullptr,
+                 dx.untyped_data(),
+                 dscale.element_count() ? dscale.untyped_data() : nullptr,
+                 dbias.element_count() ? dbias.untyped_data() : nullptr,
+                 rows, cols, rms};
+}
+
+// Parameter dtype of the backward: scale's, else dbias's, else float32.
+ffi::DataType bwd_param_dtype(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& dbias) {
+  return scale.element_count() ? scale.element_type()
+         : dbias.element_count() ? dbias.element_type() : ffi::DataType::F32;
+}
+
+// ------------------------------------------------------------------- CPU ---
+
+template <typename T, typename P>
+void fwd_cpu(const FwdArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  const P* scale = static_cast<const P*>(a.scale);
+  const P* bias = static_cast<const P*>(a.bias);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const T* xr = x + r * a.cols;
+    NormAcc acc;
+    for (int64_t c = 0; c < a.cols; ++c) acc.add(to_float(xr[c]), a.rms);
+    const RowStats st = finish_stats(acc, a.cols, a.eps, a.rms);
+    for (int64_t c = 0; c < a.cols; ++c)
+      y[r * a.cols + c] = from_float<T>(norm_out(to_float(xr[c]), st, scale ? to_float(scale[c]) : 1.f,
+                                                 bias ? to_float(bias[c]) : 0.f));
+    if (a.rstd) {
+      if (a.mean) a.mean[r] = st.mean;
+      a.rstd[r] = st.rstd;
+    }
+  }
+}
+
+template <typename T, typename P>
+void bwd_cpu(const BwdArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const P* scale = static_cast<const P*>(a.scale);
+  std::vector<double> ds(a.dscale ? a.cols : 0, 0.0), db(a.dbias ? a.cols : 0, 0.0);
+  std::vector<float> xh(a.cols), g(a.cols);
+  const float inv_n = 1.f / float(a.cols);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float mean = a.rms ? 0.f : a.mean[r], rstd = a.rstd[r];
+    float sum_g = 0.f, sum_gx = 0.f;
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float d = to_float(dy[r * a.cols + c]);
+      xh[c] = (to_float(x[r * a.cols + c]) - mean) * rstd;
+      g[c] = d * (scale ? to_float(scale[c]) : 1.f);
+      sum_g += g[c];
+      sum_gx += g[c] * xh[c];
+      if (a.dscale) ds[c] += double(d) * xh[c];
+      if (a.dbias) db[c] += d;
+    }
+    const float mg = a.rms ? 0.f : sum_g * inv_n, mgx = sum_gx * inv_n;
+    for (int64_t c = 0; c < a.cols; ++c) dx[r * a.cols + c] = from_float<T>(norm_dx(g[c], xh[c], rstd, mg, mgx));
+  }
+  for (int64_t c = 0; c < int64_t(ds.size()); ++c) static_cast<P*>(a.dscale)[c] = from_float<P>(float(ds[c]));
+  for (int64_t c = 0; c < int64_t(db.size()); ++c) static_cast<P*>(a.dbias)[c] = from_float<P>(float(db[c]));
+}
+
+ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                      ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
+  auto args = fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms);
+  if (args.has_error()) return args.error();
+  auto pt = param_dtype(scale, bias);
+  if (pt.has_error()) return pt.error();
+  return dispatch_act_param(x.element_type(), pt.value(), [&](auto t, auto p) {
+    fwd_cpu<decltype(t), decltype(p)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                      ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
+                      ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias, bool rms) {
+  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, rms);
+  if (args.has_error()) return args.error();
+  return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, *dbias), [&](auto t, auto p) {
+    bwd_cpu<decltype(t), decltype(p)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+#ifdef JAX_OPS_WITH_CUDA
+// ------------------------------------------------------------------ CUDA ---
+
+ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                       ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
+  auto args = fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms);
+  if (args.has_error()) return args.error();
+  auto pt = param_dtype(scale, bias);
+  if (pt.has_error()) return pt.error();
+  return dispatch_act_param(x.element_type(), pt.value(), [&](auto t, auto p) {
+    const cudaError_t err = launch_fwd<decltype(t), decltype(p)>(args.value(), stream);
+    return err == cudaSuccess ? ffi::Error::Success()
+                              : ffi::Error::Internal(cuda_error_message("jax_ops_norm_fwd", err));
+  });
+}
+
+ffi::Error NormBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dy,
+                       ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                       ffi::Result<ffi::AnyBuffer> dbias, bool rms) {
+  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, rms);
+  if (args.has_error()) return args.error();
+  const ScratchFn alloc = [&scratch](size_t bytes) -> void* {
+    auto p = scratch.Allocate(bytes, 256);
+    return p.has_value() ? *p : nullptr;
+  };
+  return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, *dbias), [&](auto t, auto p) {
+    const cudaError_t err = launch_bwd<decltype(t), decltype(p)>(args.value(), alloc, stream);
+    return err == cudaSuccess ? ffi::Error::Success()
+                              : ffi::Error::Internal(cuda_error_message("jax_ops_norm_bwd", err));
+  });
+}
+#endif
+
+}  // namespace
+}  // namespace jax_ops::norm
+
+namespace ffi = xla::ffi;
+
+#define JO_NORM_FWD_SIGNATURE(bind)                                                           \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()                      \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                      \
+      .Attr<float>("epsilon").Attr<bool>("rms")
+#define JO_NORM_BWD_SIGNATURE(bind)                                                           \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
+      .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
+      .Attr<bool>("rms")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCpu, jax_ops::norm::NormFwdCpu, JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCpu, jax_ops::norm::NormBwdCpu, JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind()));
+#ifdef JAX_OPS_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCuda, jax_ops::norm::NormFwdCuda,
+                              JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCuda, jax_ops::norm::NormBwdCuda,
+                              JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind()
+                                                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                        .Ctx<ffi::ScratchAllocator>()));
+#endif

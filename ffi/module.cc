@@ -1,0 +1,36 @@
+// The nanobind extension jax_ops._ffi: hands XLA FFI handler capsules to Python.
+#include <nanobind/nanobind.h>
+#include "ffi/handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+template <typename Fn>
+nb::capsule capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.doc() = "jax_ops XLA FFI handlers";
+  // {platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.
+  m.def("registrations", []() {
+    nb::dict cpu, cuda, out;
+    cpu["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCpu);
+    cpu["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCpu);
+    cpu["jax_ops_device_copy"] = capsule(JaxOpsDeviceCopyCpu);
+#ifdef JAX_OPS_WITH_CUDA
+    cuda["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCuda);
+    cuda["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCuda);
+    cuda["jax_ops_device_copy"] = capsule(JaxOpsDeviceCopyCuda);
+#endif
+    out["cpu"] = cpu;
+    out["CUDA"] = cuda;
+    return out;
+  });
+#ifdef JAX_OPS_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

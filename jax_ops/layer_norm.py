@@ -1,0 +1,248 @@
+"""LayerNorm and RMSNorm over the last axis, as JAX primitives with a custom VJP.
+
+Forward primitive  jax_ops_norm_fwd(x, scale, bias) -> (y, mean, rstd)
+Backward primitive jax_ops_norm_bwd(dy, x, mean, rstd, scale) -> (dx, dscale, dbias)
+
+Absent operands/results (no scale, no bias, statistics not wanted, RMSNorm's
+mean) are zero-element float32 arrays, so one primitive serves every variant.
+Statistics and arithmetic are float32; y and dx take x's dtype, dscale/dbias
+their parameter's dtype. The VJP keeps x, float32 mean/rstd per row and the
+parameters as residuals.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+
+from jax_ops import dispatch
+from jax_ops.primitive import define_primitive, vmap_reference
+
+ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_F32 = jnp.dtype(jnp.float32)
+
+
+def _empty():
+    return jnp.zeros((0,), jnp.float32)
+
+
+def _present(a) -> bool:
+    return a.shape != (0,)
+
+
+def _fmt_dtype(d) -> str:
+    return jnp.dtype(d).name
+
+
+# ------------------------------------------------------------- validation ---
+
+def check_inputs(op: str, x, scale, bias, epsilon=None) -> None:
+    """TypeError/ValueError naming the argument, expected and actual value."""
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"jax_ops.{op}: x must be float32, bfloat16 or float16; "
+                        f"got dtype {_fmt_dtype(x.dtype)}")
+    if x.ndim < 1:
+        raise ValueError(f"jax_ops.{op}: x must have at least 1 dimension "
+                         f"(normalization runs over the last axis); got shape {tuple(x.shape)}")
+    cols = x.shape[-1]
+    if cols < 1:
+        raise ValueError(f"jax_ops.{op}: x's last axis must have size >= 1; got shape {tuple(x.shape)}")
+    for name, p in (("scale", scale), ("bias", bias)):
+        if p is None:
+            continue
+        if tuple(p.shape) != (cols,):
+            raise ValueError(f"jax_ops.{op}: {name} must have shape ({cols},) to match x's last "
+                             f"axis; got shape {tuple(p.shape)} (x has shape {tuple(x.shape)})")
+        if p.dtype not in (_F32, x.dtype):
+            raise TypeError(f"jax_ops.{op}: {name} must be float32 or x's dtype "
+                            f"{_fmt_dtype(x.dtype)}; got {_fmt_dtype(p.dtype)}")
+    if scale is not None and bias is not None and scale.dtype != bias.dtype:
+        raise TypeError(f"jax_ops.{op}: scale and bias must share a dtype; got scale "
+                        f"{_fmt_dtype(scale.dtype)} and bias {_fmt_dtype(bias.dtype)}")
+    if epsilon is not None:
+        if not isinstance(epsilon, (int, float, np.floating)) or isinstance(epsilon, bool):
+            raise TypeError(f"jax_ops.{op}: epsilon must be a Python float; got {type(epsilon).__name__}")
+        if not (float(epsilon) >= 0.0 and np.isfinite(epsilon)):
+            raise ValueError(f"jax_ops.{op}: epsilon must be finite and >= 0; got {epsilon}")
+
+
+def _stat_shape(x):
+    return x.shape[:-1]
+
+
+# ---------------------------------------------------------------- forward ---
+
+def _fwd_abstract(x, scale, bias, *, epsilon, rms, with_stats, implementation):
+    op = "rms_norm" if rms else "layer_norm"
+    check_inputs(op, x, scale if _present(scale) else None, bias if _present(bias) else None)
+    stat = core.ShapedArray(_stat_shape(x) if with_stats else (0,), _F32)
+    mean = stat if (with_stats and not rms) else core.ShapedArray((0,), _F32)
+    return core.ShapedArray(x.shape, x.dtype), mean, stat
+
+
+def _fwd_reference(x, scale, bias, *, epsilon, rms, with_stats):
+    xf = x.astype(jnp.float32)
+    if rms:
+        mean = jnp.zeros(_stat_shape(x), jnp.float32)
+        rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + epsilon)
+    else:
+        mean = jnp.mean(xf, axis=-1)
+        rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean[..., None]), axis=-1) + epsilon)
+    y = (xf - mean[..., None]) * rstd[..., None]
+    if _present(scale):
+        y = y * scale.astype(jnp.float32)
+    if _present(bias):
+        y = y + bias.astype(jnp.float32)
+    mean_out = mean if (with_stats and not rms) else _empty()
+    return y.astype(x.dtype), mean_out, rstd if with_stats else _empty()
+
+
+def _fwd_batch(args, dims, **params):
+    x, scale, bias = args
+    xd, sd, bd = dims
+    if sd is not None or bd is not None:  # per-example parameters: rows cannot be folded
+        return vmap_reference(_fwd_reference, args, dims, params)
+    # A batched x is just more leading (row) axes: move the batch axis to the front.
+    x = jnp.moveaxis(x, xd, 0)
+    y, mean, rstd = norm_fwd_p.bind(x, scale, bias, **params)
+    return (y, mean, rstd), (0, 0 if _present(mean) else None, 0 if _present(rstd) else None)
+
+
+norm_fwd_p = define_primitive(
+    "norm_fwd", op="layer_norm", abstract_eval=_fwd_abstract, reference=_fwd_reference,
+    ffi_target="jax_ops_norm_fwd",
+    ffi_attrs=lambda p: {"epsilon": np.float32(p["epsilon"]), "rms": bool(p["rms"])},
+    batching_rule=_fwd_batch)
+
+
+# --------------------------------------------------------------- backward ---
+
+def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, implementation):
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"jax_ops norm backward: dy must match x; got dy {dy.shape} "
+                         f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
+    cols = x.shape[-1]
+    dscale = core.ShapedArray((cols,) if dscale_dtype else (0,), dscale_dtype or _F32)
+    dbias = core.ShapedArray((cols,) if dbias_dtype else (0,), dbias_dtype or _F32)
+    return core.ShapedArray(x.shape, x.dtype), dscale, dbias
+
+
+def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
+    xf, dyf = x.astype(jnp.float32), dy.astype(jnp.float32)
+    mean = 0.0 if rms else mean[..., None]
+    xhat = (xf - mean) * rstd[..., None]
+    g = dyf * scale.astype(jnp.float32) if _present(scale) else dyf
+    mean_gx = jnp.mean(g * xhat, axis=-1, keepdims=True)
+    mean_g = 0.0 if rms else jnp.mean(g, axis=-1, keepdims=True)
+    dx = rstd[..., None] * (g - mean_g - xhat * mean_gx)
+    rows = tuple(range(x.ndim - 1))
+    dscale = jnp.sum(dyf * xhat, axis=rows).astype(dscale_dtype) if dscale_dtype else _empty()
+    dbias = jnp.sum(dyf, axis=rows).astype(dbias_dtype) if dbias_dtype else _empty()
+    return dx.astype(x.dtype), dscale, dbias
+
+
+def _bwd_batch(args, dims, **params):
+    dy, x, mean, rstd, scale = args
+    if dims[4] is not None:  # per-example scale
+        return vmap_reference(_bwd_reference, args, dims, params)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+    def front(a, d):  # batch axis first; unbatched row operands broadcast to it
+        return jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+
+    dy, x, rstd = front(dy, dims[0]), front(x, dims[1]), front(rstd, dims[3])
+    if _present(mean) or dims[2] is not None:
+        mean = front(mean, dims[2])
+    # dx: batch folded into rows. dscale/dbias are per example under vmap, so
+    # they are summed per batch element here instead of over all rows.
+    dx, _, _ = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=params["rms"], dscale_dtype=None,
+                               dbias_dtype=None, implementation=params["implementation"])
+    rows = tuple(range(1, x.ndim - 1))
+    dyf = dy.astype(jnp.float32)
+    dscale = dbias = _empty()
+    if params["dscale_dtype"]:
+        m = 0.0 if params["rms"] else mean[..., None]
+        xhat = (x.astype(jnp.float32) - m) * rstd[..., None]
+        dscale = jnp.sum(dyf * xhat, axis=rows).astype(params["dscale_dtype"])
+    if params["dbias_dtype"]:
+        dbias = jnp.sum(dyf, axis=rows).astype(params["dbias_dtype"])
+    return (dx, dscale, dbias), (0, 0 if params["dscale_dtype"] else None,
+                                 0 if params["dbias_dtype"] else None)
+
+
+norm_bwd_p = define_primitive(
+    "norm_bwd", op="layer_norm", abstract_eval=_bwd_abstract, reference=_bwd_reference,
+    ffi_target="jax_ops_norm_bwd", ffi_attrs=lambda p: {"rms": bool(p["rms"])},
+    batching_rule=_bwd_batch)
+
+
+# ------------------------------------------------------------- custom VJP ---
+
+def _or_empty(a):
+    return _empty() if a is None else a
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x, scale, bias, epsilon, rms, implementation):
+    y, _, _ = norm_fwd_p.bind(x, _or_empty(scale), _or_empty(bias), epsilon=epsilon, rms=rms,
+                              with_stats=False, implementation=implementation)
+    return y
+
+
+def _norm_fwd(x, scale, bias, epsilon, rms, implementation):
+    y, mean, rstd = norm_fwd_p.bind(x, _or_empty(scale), _or_empty(bias), epsilon=epsilon,
+                                    rms=rms, with_stats=True, implementation=implementation)
+    return y, (x, mean, rstd, scale, bias)
+
+
+def _norm_bwd(epsilon, rms, implementation, res, dy):
+    x, mean, rstd, scale, bias = res
+    bias_dtype = None if bias is None else bias.dtype
+    dx, dscale, dbias = norm_bwd_p.bind(
+        dy, x, mean, rstd, _or_empty(scale), rms=rms,
+        dscale_dtype=None if scale is None else scale.dtype, dbias_dtype=bias_dtype,
+        implementation=implementation)
+    return dx, (None if scale is None else dscale), (None if bias_dtype is None else dbias)
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)
+
+
+# ------------------------------------------------------------- public API ---
+
+def _prepare(op, x, scale, bias, epsilon, implementation):
+    dispatch.check_name(op, implementation)
+    x = jnp.asarray(x)
+    scale = None if scale is None else jnp.asarray(scale)
+    bias = None if bias is None else jnp.asarray(bias)
+    check_inputs(op, x, scale, bias, epsilon)
+    return x, scale, bias
+
+
+def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementation: str | None = None):
+    """LayerNorm over the last axis: (x - mean) / sqrt(var + epsilon) * scale + bias.
+
+    Args:
+      x: float32, bfloat16 or float16 array of any rank >= 1; rows are its leading axes.
+      scale, bias: optional arrays of shape (x.shape[-1],), float32 or x's dtype (same
+        dtype for both).
+      epsilon: added to the biased variance.
+      implementation: None (automatic), "xla" or "cuda" (our kernels: CUDA on GPU,
+        the same math compiled for the host on CPU).
+
+    Statistics and math run in float32; the result has x's dtype.
+    """
+    x, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
+    return _norm(x, scale, bias, float(epsilon), False, implementation)
+
+
+def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None = None):
+    """RMSNorm over the last axis: x / sqrt(mean(x²) + epsilon) * scale.
+
+    Same argument rules as `layer_norm` (no bias).
+    """
+    x, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
+    return _norm(x, scale, None, float(epsilon), True, implementation)

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels (run with interpret=True on CPU). Populated by the dispatch issue."""
