@@ -16,7 +16,6 @@
 // fixed order: no atomics, bitwise reproducible.
 #pragma once
 #include <cuda_runtime.h>
-#include <functional>
 #include "cuda_src/common.h"
 #include "cuda_src/cuda_utils.cuh"
 #include "cuda_src/norm_math.h"
@@ -523,8 +522,8 @@ cudaError_t launch_fwd(const FwdArgs& a, cudaStream_t stream) {
   return vec_ok ? launch_fwd_packed<T, P, VEC>(a, stream) : launch_fwd_packed<T, P, 1>(a, stream);
 }
 
-// Backward: `alloc(bytes)` hands out device scratch for the partials (null on failure).
-using ScratchFn = std::function<void*(size_t)>;
+// Backward: dscale/dbias partials go to the XLA-allocated workspace a.work
+// ([2, work_rows, cols] float32); grids are capped at work_rows blocks.
 
 template <typename P>
 cudaError_t finish_param_grads(const BwdArgs& a, const float* part_ds, const float* part_db,
@@ -535,16 +534,21 @@ cudaError_t finish_param_grads(const BwdArgs& a, const float* part_ds, const flo
   return cudaGetLastError();
 }
 
-inline cudaError_t alloc_partials(const BwdArgs& a, int64_t nparts, const ScratchFn& alloc, float** ds, float** db) {
+inline cudaError_t partial_buffers(const BwdArgs& a, int64_t nparts, float** ds, float** db) {
   *ds = *db = nullptr;
-  const size_t bytes = size_t(nparts) * size_t(a.cols) * sizeof(float);
-  if (a.dscale && !(*ds = static_cast<float*>(alloc(bytes)))) return cudaErrorMemoryAllocation;
-  if (a.dbias && !(*db = static_cast<float*>(alloc(bytes)))) return cudaErrorMemoryAllocation;
+  if (!a.dscale && !a.dbias) return cudaSuccess;
+  if (a.work == nullptr || nparts > a.work_rows) return cudaErrorInvalidValue;
+  if (a.dscale) *ds = a.work;
+  if (a.dbias) *db = a.work + a.work_rows * a.cols;
   return cudaSuccess;
 }
 
+inline int cap_blocks(const BwdArgs& a, int blocks) {
+  return (a.dscale || a.dbias) && a.work_rows < blocks ? int(a.work_rows) : blocks;
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH>
-cudaError_t launch_bwd_regs(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+cudaError_t launch_bwd_regs(const BwdArgs& a, cudaStream_t stream) {
   constexpr int ROWS = WIDTH < 32 ? 2 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS>;
@@ -554,35 +558,36 @@ cudaError_t launch_bwd_regs(const BwdArgs& a, const ScratchFn& alloc, cudaStream
   if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
   int blocks = 0;
   if ((err = resident_blocks(kernel, kRegsThreads, smem, (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, &blocks)) != cudaSuccess) return err;
+  blocks = cap_blocks(a, blocks);
   float *ds = nullptr, *db = nullptr;
-  if ((err = alloc_partials(a, blocks, alloc, &ds, &db)) != cudaSuccess) return err;
+  if ((err = partial_buffers(a, blocks, &ds, &db)) != cudaSuccess) return err;
   kernel<<<blocks, kRegsThreads, smem, stream>>>(a, ds, db);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   return partials ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
 }
 
 template <typename T, typename P, int PACK, int VPT = 1>
-cudaError_t bwd_regs_dispatch(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+cudaError_t bwd_regs_dispatch(const BwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   if constexpr (VPT == 1) {
-    if (nvec <= 1) return launch_bwd_regs<T, P, PACK, 1, 1>(a, alloc, stream);
-    if (nvec <= 2) return launch_bwd_regs<T, P, PACK, 1, 2>(a, alloc, stream);
-    if (nvec <= 4) return launch_bwd_regs<T, P, PACK, 1, 4>(a, alloc, stream);
-    if (nvec <= 8) return launch_bwd_regs<T, P, PACK, 1, 8>(a, alloc, stream);
-    if (nvec <= 16) return launch_bwd_regs<T, P, PACK, 1, 16>(a, alloc, stream);
+    if (nvec <= 1) return launch_bwd_regs<T, P, PACK, 1, 1>(a, stream);
+    if (nvec <= 2) return launch_bwd_regs<T, P, PACK, 1, 2>(a, stream);
+    if (nvec <= 4) return launch_bwd_regs<T, P, PACK, 1, 4>(a, stream);
+    if (nvec <= 8) return launch_bwd_regs<T, P, PACK, 1, 8>(a, stream);
+    if (nvec <= 16) return launch_bwd_regs<T, P, PACK, 1, 16>(a, stream);
   }
   if constexpr (VPT * 32 * PACK <= kRegsMaxCols) {
-    if (nvec <= 32 * VPT) return launch_bwd_regs<T, P, PACK, VPT, 32>(a, alloc, stream);
-    return bwd_regs_dispatch<T, P, PACK, VPT * 2>(a, alloc, stream);
+    if (nvec <= 32 * VPT) return launch_bwd_regs<T, P, PACK, VPT, 32>(a, stream);
+    return bwd_regs_dispatch<T, P, PACK, VPT * 2>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template <typename T, typename P, int PACK, int K = 1>
-cudaError_t launch_bwd_block_regs(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+cudaError_t launch_bwd_block_regs(const BwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   if (nvec > int64_t(1024) * K) {
-    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, K * 2>(a, alloc, stream);
+    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, K * 2>(a, stream);
     else return cudaErrorInvalidValue;
   } else {
     const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
@@ -590,8 +595,9 @@ cudaError_t launch_bwd_block_regs(const BwdArgs& a, const ScratchFn& alloc, cuda
     cudaError_t err;
     int blocks = 0;
     if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
+    blocks = cap_blocks(a, blocks);
     float *ds = nullptr, *db = nullptr;
-    if ((err = alloc_partials(a, blocks, alloc, &ds, &db)) != cudaSuccess) return err;
+    if ((err = partial_buffers(a, blocks, &ds, &db)) != cudaSuccess) return err;
     kernel<<<blocks, threads, 0, stream>>>(a, ds, db);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
     return (a.dscale || a.dbias) ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
@@ -599,7 +605,7 @@ cudaError_t launch_bwd_block_regs(const BwdArgs& a, const ScratchFn& alloc, cuda
 }
 
 template <typename T, typename P, int PACK>
-cudaError_t launch_bwd_block(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+cudaError_t launch_bwd_block(const BwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   const int threads = int(nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32);
   const size_t smem = 2 * size_t(a.cols) * sizeof(T);
@@ -625,24 +631,25 @@ cudaError_t launch_bwd_block(const BwdArgs& a, const ScratchFn& alloc, cudaStrea
   const int64_t col_tiles = (a.cols + 31) / 32;
   int64_t chunks = (int64_t(sm_count()) * 16 + col_tiles - 1) / col_tiles;
   chunks = chunks < 1 ? 1 : (chunks > a.rows ? a.rows : chunks);
+  chunks = chunks > a.work_rows ? a.work_rows : chunks;
   const int64_t chunk_rows = (a.rows + chunks - 1) / chunks;
   chunks = (a.rows + chunk_rows - 1) / chunk_rows;
   float *ds = nullptr, *db = nullptr;
-  if ((err = alloc_partials(a, chunks, alloc, &ds, &db)) != cudaSuccess) return err;
+  if ((err = partial_buffers(a, chunks, &ds, &db)) != cudaSuccess) return err;
   param_grad_kernel<T><<<dim3(unsigned(col_tiles), unsigned(chunks)), 256, 0, stream>>>(a, chunk_rows, ds, db);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   return finish_param_grads<P>(a, ds, db, chunks, stream);
 }
 
 template <typename T, typename P, int PACK>
-cudaError_t launch_bwd_packed(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
-  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK>(a, alloc, stream);
-  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK>(a, alloc, stream);
-  return launch_bwd_block<T, P, PACK>(a, alloc, stream);
+cudaError_t launch_bwd_packed(const BwdArgs& a, cudaStream_t stream) {
+  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK>(a, stream);
+  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK>(a, stream);
+  return launch_bwd_block<T, P, PACK>(a, stream);
 }
 
 template <typename T, typename P>
-cudaError_t launch_bwd(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t stream) {
+cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
   if (a.rows == 0) {
     // No rows: dscale/dbias are sums over nothing.
     cudaError_t err = cudaSuccess;
@@ -653,7 +660,7 @@ cudaError_t launch_bwd(const BwdArgs& a, const ScratchFn& alloc, cudaStream_t st
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) &&
                       aligned_to(a.dx, 16) && aligned_to(a.scale, sizeof(P) * VEC);
-  return vec_ok ? launch_bwd_packed<T, P, VEC>(a, alloc, stream) : launch_bwd_packed<T, P, 1>(a, alloc, stream);
+  return vec_ok ? launch_bwd_packed<T, P, VEC>(a, stream) : launch_bwd_packed<T, P, 1>(a, stream);
 }
 
 }  // namespace jax_ops::norm

@@ -35,6 +35,7 @@ struct BwdArgs {
   const void* scale;                      // null when absent
   void* dx; void* dscale; void* dbias;    // dscale/dbias null when not wanted
   int64_t rows; int64_t cols; bool rms;
+  float* work; int64_t work_rows;         // CUDA: [2, work_rows, cols] float32 partials
 };
 }  // namespace norm
 

@@ -1,7 +1,8 @@
 // XLA FFI handlers of the LayerNorm/RMSNorm family ("jax_ops_norm_fwd",
 // "jax_ops_norm_bwd"): CPU always, CUDA when this file is compiled by nvcc.
 // Absent operands/results (no scale, no bias, statistics not wanted) are
-// passed as zero-element buffers.
+// passed as zero-element buffers. The backward's last result is a float32
+// workspace for the CUDA kernels' dscale/dbias partials (unused on CPU).
 #include <cmath>
 #include <vector>
 #include "ffi/common.h"
@@ -79,7 +80,8 @@ ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyB
 
 ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean,
                                ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer dx,
-                               ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, bool rms) {
+                               ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, ffi::AnyBuffer work,
+                               bool rms) {
   auto shape = rows_cols(x, "x");
   if (shape.has_error()) return shape.error();
   const auto [rows, cols] = shape.value();
@@ -96,6 +98,10 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuff
   JO_RETURN_IF_ERROR(expect_count(dbias, "dbias", cols, true));
   if (dscale.element_count() && (!scale.element_count() || dscale.element_type() != scale.element_type()))
     return ffi::Error::InvalidArgument("dscale needs scale, in scale's dtype");
+  JO_RETURN_IF_ERROR(expect_f32(work, "workspace"));
+  const int64_t work_rows = int64_t(work.element_count()) / (2 * cols);
+  if ((dscale.element_count() || dbias.element_count()) && rows > 0 && work_rows < 1)
+    return ffi::Error::InvalidArgument("workspace too small for the dscale/dbias partials");
   return BwdArgs{dy.untyped_data(), x.untyped_data(),
                  rms ? nullptr : static_cast<const float*>(mean.untyped_data()),
                  static_cast<const float*>(rstd.untyped_data()),
@@ -103,7 +109,7 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuff
                  dx.untyped_data(),
                  dscale.element_count() ? dscale.untyped_data() : nullptr,
                  dbias.element_count() ? dbias.untyped_data() : nullptr,
-                 rows, cols, rms};
+                 rows, cols, rms, static_cast<float*>(work.untyped_data()), work_rows};
 }
 
 // Parameter dtype of the backward: scale's, else dbias's, else float32.
@@ -178,8 +184,9 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bia
 
 ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
-                      ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias, bool rms) {
-  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, rms);
+                      ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
+                      ffi::Result<ffi::AnyBuffer> work, bool rms) {
+  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms);
   if (args.has_error()) return args.error();
   return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, *dbias), [&](auto t, auto p) {
     bwd_cpu<decltype(t), decltype(p)>(args.value());
@@ -204,18 +211,14 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer sca
   });
 }
 
-ffi::Error NormBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dy,
-                       ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
-                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
-                       ffi::Result<ffi::AnyBuffer> dbias, bool rms) {
-  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, rms);
+ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                       ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
+                       ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
+                       ffi::Result<ffi::AnyBuffer> work, bool rms) {
+  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms);
   if (args.has_error()) return args.error();
-  const ScratchFn alloc = [&scratch](size_t bytes) -> void* {
-    auto p = scratch.Allocate(bytes, 256);
-    return p.has_value() ? *p : nullptr;
-  };
   return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, *dbias), [&](auto t, auto p) {
-    const cudaError_t err = launch_bwd<decltype(t), decltype(p)>(args.value(), alloc, stream);
+    const cudaError_t err = launch_bwd<decltype(t), decltype(p)>(args.value(), stream);
     return err == cudaSuccess ? ffi::Error::Success()
                               : ffi::Error::Internal(cuda_error_message("jax_ops_norm_bwd", err));
   });
@@ -234,7 +237,7 @@ namespace ffi = xla::ffi;
 #define JO_NORM_BWD_SIGNATURE(bind)                                                           \
   bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
       .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
-      .Attr<bool>("rms")
+      .Ret<ffi::AnyBuffer>().Attr<bool>("rms")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCpu, jax_ops::norm::NormFwdCpu, JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCpu, jax_ops::norm::NormBwdCpu, JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind()));
@@ -242,7 +245,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCpu, jax_ops::norm::NormBwdCpu, JO_NO
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCuda, jax_ops::norm::NormFwdCuda,
                               JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCuda, jax_ops::norm::NormBwdCuda,
-                              JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind()
-                                                        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                        .Ctx<ffi::ScratchAllocator>()));
+                              JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 #endif

@@ -1,7 +1,9 @@
 """LayerNorm and RMSNorm over the last axis, as JAX primitives with a custom VJP.
 
 Forward primitive  jax_ops_norm_fwd(x, scale, bias) -> (y, mean, rstd)
-Backward primitive jax_ops_norm_bwd(dy, x, mean, rstd, scale) -> (dx, dscale, dbias)
+Backward primitive jax_ops_norm_bwd(dy, x, mean, rstd, scale) -> (dx, dscale, dbias, work)
+  (work: float32 workspace for the CUDA kernels' per-block dscale/dbias partials;
+  XLA allocates it and drops it right after)
 
 Absent operands/results (no scale, no bias, statistics not wanted, RMSNorm's
 mean) are zero-element float32 arrays, so one primitive serves every variant.
@@ -120,6 +122,18 @@ norm_fwd_p = define_primitive(
 
 # --------------------------------------------------------------- backward ---
 
+def workspace_shape(x_shape, want_param_grads: bool) -> tuple[int, ...]:
+    """[2, P, cols] float32 partials; the CUDA backward runs at most P blocks.
+
+    Only the P' <= P rows its grid uses are written and read, so a generous P costs
+    memory, not traffic: up to 4096 blocks, at most 128 MiB."""
+    if not want_param_grads:
+        return (0,)
+    cols = x_shape[-1]
+    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
+    return (2, max(1, min(4096, rows, (128 << 20) // (8 * cols))), cols)
+
+
 def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, implementation):
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"jax_ops norm backward: dy must match x; got dy {dy.shape} "
@@ -127,7 +141,8 @@ def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, i
     cols = x.shape[-1]
     dscale = core.ShapedArray((cols,) if dscale_dtype else (0,), dscale_dtype or _F32)
     dbias = core.ShapedArray((cols,) if dbias_dtype else (0,), dbias_dtype or _F32)
-    return core.ShapedArray(x.shape, x.dtype), dscale, dbias
+    work = core.ShapedArray(workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype)), _F32)
+    return core.ShapedArray(x.shape, x.dtype), dscale, dbias, work
 
 
 def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
@@ -141,7 +156,8 @@ def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
     rows = tuple(range(x.ndim - 1))
     dscale = jnp.sum(dyf * xhat, axis=rows).astype(dscale_dtype) if dscale_dtype else _empty()
     dbias = jnp.sum(dyf, axis=rows).astype(dbias_dtype) if dbias_dtype else _empty()
-    return dx.astype(x.dtype), dscale, dbias
+    work = jnp.zeros(workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype)), jnp.float32)
+    return dx.astype(x.dtype), dscale, dbias, work
 
 
 def _bwd_batch(args, dims, **params):
@@ -158,7 +174,7 @@ def _bwd_batch(args, dims, **params):
         mean = front(mean, dims[2])
     # dx: batch folded into rows. dscale/dbias are per example under vmap, so
     # they are summed per batch element here instead of over all rows.
-    dx, _, _ = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=params["rms"], dscale_dtype=None,
+    dx, _, _, work = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=params["rms"], dscale_dtype=None,
                                dbias_dtype=None, implementation=params["implementation"])
     rows = tuple(range(1, x.ndim - 1))
     dyf = dy.astype(jnp.float32)
@@ -169,8 +185,10 @@ def _bwd_batch(args, dims, **params):
         dscale = jnp.sum(dyf * xhat, axis=rows).astype(params["dscale_dtype"])
     if params["dbias_dtype"]:
         dbias = jnp.sum(dyf, axis=rows).astype(params["dbias_dtype"])
-    return (dx, dscale, dbias), (0, 0 if params["dscale_dtype"] else None,
-                                 0 if params["dbias_dtype"] else None)
+    # The workspace is unused by the caller; any shape-correct value will do.
+    work = jnp.zeros((size,) + workspace_shape(x.shape[1:], bool(params["dscale_dtype"] or params["dbias_dtype"])), jnp.float32)
+    return (dx, dscale, dbias, work), (0, 0 if params["dscale_dtype"] else None,
+                                       0 if params["dbias_dtype"] else None, 0)
 
 
 norm_bwd_p = define_primitive(
@@ -201,7 +219,7 @@ def _norm_fwd(x, scale, bias, epsilon, rms, implementation):
 def _norm_bwd(epsilon, rms, implementation, res, dy):
     x, mean, rstd, scale, bias = res
     bias_dtype = None if bias is None else bias.dtype
-    dx, dscale, dbias = norm_bwd_p.bind(
+    dx, dscale, dbias, _ = norm_bwd_p.bind(
         dy, x, mean, rstd, _or_empty(scale), rms=rms,
         dscale_dtype=None if scale is None else scale.dtype, dbias_dtype=bias_dtype,
         implementation=implementation)

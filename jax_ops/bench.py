@@ -1,0 +1,604 @@
+"""Benchmark of jax_ops' norms against XLA, Flax and a device-copy bandwidth ceiling.
+
+    python -m jax_ops.bench [--op layer_norm|rms_norm] [--impl cuda,xla,flax]
+        [--dtype bf16|f32|f16] [--rows N] [--cols 32,64,...] [--mode fwd,fwd_bwd,bwd]
+        [--repeats 5] [--check] [--json [PATH]] [--csv PATH]
+
+Implementations ("--impl"):
+  cuda  jax_ops.<op>(..., implementation="cuda"): our hand kernels (on CPU: host handlers).
+  xla   jax_ops.<op>(..., implementation="xla"): our primitive lowered to plain XLA.
+  flax  flax.linen.LayerNorm / RMSNorm (param_dtype float32, dtype = x's dtype so y has
+        x's dtype), differentiated by JAX autodiff. Falls back to "jnp" when flax is
+        not importable.
+  jnp   a plain jax.numpy norm, differentiated by JAX autodiff.
+The baseline of the "vs" column is "flax" when it ran, else "jnp".
+
+Modes ("--mode"), per input set (x, scale[, bias], dy):
+  fwd      y = op(x, scale, bias)
+  fwd_bwd  y, vjp_fn = jax.vjp(op, x, scale, bias); (dx, dscale, dbias) = vjp_fn(dy),
+           all in one jitted function.
+  bwd      vjp_fn is made beforehand (a jitted jax.vjp); only vjp_fn(dy) is timed. The
+           residuals are whatever the implementation saves (autodiff baselines may
+           save float32 intermediates and so read more than the minimum below).
+
+Minimum bytes per call ("min_bytes"; effective GB/s = min_bytes / time). With
+  X = rows * cols * itemsize(x)      one activation-sized array (x, y, dy or dx)
+  P = cols * 4                       one float32 parameter vector
+  n = 2 for layer_norm (scale, bias), 1 for rms_norm (scale)
+  S = rows * 4 * (2 for layer_norm: mean + rstd; 1 for rms_norm: rstd)   float32 stats
+we count
+  fwd     = 2X + n*P              read x, write y; read the parameters
+  bwd     = 3X + S + P + n*P      read x and dy, write dx; read the stats and scale;
+                                  write dscale (and dbias)
+  fwd_bwd = fwd + S + bwd         two passes, as two separate kernels at best: the
+                                  forward also writes the stats and x is read twice.
+
+Timing. Each measured call processes K distinct input sets (one jitted function, a
+Python loop inside jit, so one launch chain per set) and its time is divided by K.
+K is chosen so that K * min_bytes >= --footprint-mb (default 512 MB on GPU, well
+above the 50-60 MB L2; 32 MB on CPU), K >= 2, and K * min_bytes <= --max-mem-gb.
+  GPU: CUPTI kernel time of one call, jax.experimental.mosaic.gpu.profiler.measure
+       (which does its own warm-up call); the sum over all kernels of the call.
+  CPU: wall clock of one call after a warm-up call, with block_until_ready.
+Repeated --repeats times; reported: median per-set time, and min/max (the spread).
+
+Copy ceiling. The "jax_ops_device_copy" FFI target (a 16-byte vectorized copy on GPU,
+memcpy on CPU) copies K distinct arrays of min_bytes / 2 bytes each, so it reads and
+writes min_bytes per set like the op's floor; measured the same way, in the same run.
+"%copy" = copy_time / op_time (the fraction of copy bandwidth the op reaches).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_ops  # registers the FFI targets, jax_ops_device_copy included
+
+OPS = ("layer_norm", "rms_norm")
+IMPLS = ("cuda", "xla", "flax", "jnp")
+MODES = ("fwd", "fwd_bwd", "bwd")
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
+EPSILON = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # jax_ops' defaults, used by every impl
+MB, GB = 1 << 20, 1 << 30
+
+GPU_DEFAULTS = dict(rows=49152, cols=(32, 64, 128, 256, 512, 768, 1024, 2048, 4096, 8192,
+                                      16384, 32768), footprint_mb=512)
+CPU_DEFAULTS = dict(rows=4096, cols=(32, 128, 512, 1024, 4096), footprint_mb=32)
+
+
+# ---------------------------------------------------------------- results ---
+
+@dataclasses.dataclass
+class Record:
+    """One (op, mode, dtype, cols, impl) measurement; impl "copy" is the ceiling."""
+    op: str
+    mode: str
+    dtype: str
+    rows: int
+    cols: int
+    impl: str
+    timer: str
+    k_sets: int
+    min_bytes: int
+    time_us: float | None = None      # median over repeats, per input set
+    time_us_min: float | None = None
+    time_us_max: float | None = None
+    gbps: float | None = None         # min_bytes / time_us
+    copy_us: float | None = None      # the copy ceiling for the same bytes
+    copy_gbps: float | None = None
+    frac_of_copy: float | None = None  # copy_us / time_us
+    baseline: str | None = None
+    vs_baseline: float | None = None   # baseline time_us / time_us
+    max_rel_err: float | None = None   # vs "xla", with --check
+    error: str | None = None
+    times_us: list[float] = dataclasses.field(default_factory=list)
+
+
+# ------------------------------------------------------------ the ops -------
+
+def num_params(op: str) -> int:
+    return 2 if op == "layer_norm" else 1
+
+
+def min_bytes(op: str, mode: str, rows: int, cols: int, itemsize: int) -> int:
+    """The op's minimum DRAM traffic per call; see the module docstring."""
+    x = rows * cols * itemsize
+    p = cols * 4
+    n = num_params(op)
+    s = rows * 4 * n  # layer_norm: mean + rstd; rms_norm: rstd
+    fwd = 2 * x + n * p
+    bwd = 3 * x + s + p + n * p
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + s + bwd}[mode]
+
+
+def flax_available() -> bool:
+    return importlib.util.find_spec("flax") is not None
+
+
+def _jnp_norm(op: str, eps: float) -> Callable:
+    """Plain jax.numpy norm with float32 math, output in x's dtype."""
+    def layer_norm(x, scale, bias):
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        return ((xf - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+    def rms_norm(x, scale):
+        xf = x.astype(jnp.float32)
+        ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+        return (xf * jax.lax.rsqrt(ms + eps) * scale).astype(x.dtype)
+
+    return layer_norm if op == "layer_norm" else rms_norm
+
+
+def _flax_norm(op: str, eps: float, dtype) -> Callable:
+    import flax.linen as nn
+    if op == "layer_norm":
+        ln = nn.LayerNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32)
+        return lambda x, scale, bias: ln.apply({"params": {"scale": scale, "bias": bias}}, x)
+    rms = nn.RMSNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32)
+    return lambda x, scale: rms.apply({"params": {"scale": scale}}, x)
+
+
+def make_op(op: str, impl: str, dtype) -> Callable:
+    """fn(x, *params) -> y for an implementation; params = (scale, bias) or (scale,)."""
+    eps = EPSILON[op]
+    if impl in ("cuda", "xla"):
+        if op == "layer_norm":
+            return lambda x, scale, bias: jax_ops.layer_norm(
+                x, scale, bias, epsilon=eps, implementation=impl)
+        return lambda x, scale: jax_ops.rms_norm(x, scale, epsilon=eps, implementation=impl)
+    if impl == "flax":
+        return _flax_norm(op, eps, dtype)
+    if impl == "jnp":
+        return _jnp_norm(op, eps)
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def per_set_fn(fn: Callable, mode: str) -> Callable:
+    """The function applied to one input set (see mode_args for its arguments)."""
+    if mode == "fwd":
+        return lambda x, params: fn(x, *params)
+    if mode == "fwd_bwd":
+        def fwd_bwd(x, params, dy):
+            y, vjp_fn = jax.vjp(fn, x, *params)
+            return (y, *vjp_fn(dy))
+        return fwd_bwd
+    if mode == "bwd":
+        return lambda vjp_fn, dy: vjp_fn(dy)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def mode_args(fn: Callable, mode: str, sets: Sequence[tuple]) -> list[tuple]:
+    """Arguments of per_set_fn for each set; for "bwd" this runs the forward (jax.vjp)."""
+    if mode == "fwd":
+        return [(x, params) for x, params, _ in sets]
+    if mode == "fwd_bwd":
+        return [(x, params, dy) for x, params, dy in sets]
+    make_vjp = jax.jit(lambda x, params: jax.vjp(fn, x, *params)[1])
+    return [(make_vjp(x, params), dy) for x, params, dy in sets]
+
+
+def batched(one: Callable) -> Callable:
+    """One jitted call that applies `one` to every set: a Python loop, K launch chains."""
+    return jax.jit(lambda sets: [one(*s) for s in sets])
+
+
+# ---------------------------------------------------------------- inputs ----
+
+def num_sets(nbytes: int, footprint: int, max_mem: int, max_sets: int) -> int:
+    """K: K * nbytes >= footprint (flushes the cache), within memory and compile limits, >= 2."""
+    k = min(math.ceil(footprint / nbytes), max_mem // nbytes, max_sets)
+    return max(2, k)
+
+
+def make_sets(op: str, dtype, rows: int, cols: int, k: int, with_dy: bool, seed: int):
+    """K seeded random input sets (x, params, dy); params float32, dy None if unneeded."""
+    sets = []
+    for i in range(k):
+        kx, ks, kb, kd = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
+        x = jax.random.normal(kx, (rows, cols), dtype)
+        scale = 1.0 + 0.1 * jax.random.normal(ks, (cols,), jnp.float32)
+        params = (scale, 0.1 * jax.random.normal(kb, (cols,), jnp.float32))[:num_params(op)]
+        dy = jax.random.normal(kd, (rows, cols), dtype) if with_dy else None
+        sets.append((x, params, dy))
+    jax.block_until_ready(sets)
+    return sets
+
+
+def device_copy(a):
+    return jax.ffi.ffi_call("jax_ops_device_copy", jax.ShapeDtypeStruct(a.shape, a.dtype))(a)
+
+
+# ---------------------------------------------------------------- timers ----
+
+def wall_timer(f: Callable, args, repeats: int) -> list[float]:
+    """Seconds per call: wall clock after a warm-up (compiling) call."""
+    jax.block_until_ready(f(args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = f(args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        del out
+    return times
+
+
+def cupti_timer(f: Callable, args, repeats: int) -> list[float]:
+    """Seconds per call: CUPTI kernel time of all kernels of one call (measure warms up)."""
+    from jax.experimental.mosaic.gpu import profiler
+    measured = profiler.measure(f)
+    times = []
+    for _ in range(repeats):
+        out, ms = measured(args)
+        del out
+        if ms is None:
+            raise RuntimeError("CUPTI recorded no kernel for this call")
+        times.append(ms * 1e-3)
+    return times
+
+
+TIMERS = {"wall": wall_timer, "cupti": cupti_timer}
+
+
+# ---------------------------------------------------------------- checks ----
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b| over the leaves of two output pytrees (b the reference)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        scale = max(float(np.max(np.abs(y), initial=0.0)), 1e-30)
+        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)) / scale)
+    return worst
+
+
+def check(op: str, mode: str, dtype, impls: Sequence[str], first_set: tuple) -> dict:
+    """impl -> relative error of its outputs vs "xla" on one set, or the error string."""
+    def outputs(impl):
+        fn = make_op(op, impl, dtype)
+        (args,) = mode_args(fn, mode, [first_set])
+        return jax.device_get(jax.jit(per_set_fn(fn, mode))(*args))
+
+    ref = outputs("xla")
+    errs = {}
+    for impl in impls:
+        try:
+            errs[impl] = rel_err(outputs(impl), ref)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            errs[impl] = short_error(e)
+    return errs
+
+
+# ------------------------------------------------------------- measuring ----
+
+def short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= 600 else text[:600] + " ..."
+
+
+def summarize(rec: Record, call_times: list[float]) -> None:
+    """Fills the time fields of `rec` from seconds per call (of K sets)."""
+    per_set = [t / rec.k_sets * 1e6 for t in call_times]
+    rec.times_us = per_set
+    rec.time_us = statistics.median(per_set)
+    rec.time_us_min, rec.time_us_max = min(per_set), max(per_set)
+    rec.gbps = rec.min_bytes / (rec.time_us * 1e-6) / 1e9
+
+
+def measure_copy(base: dict, timer: Callable, repeats: int, seed: int) -> Record:
+    """The copy ceiling: K arrays of ~min_bytes/2 bytes, copied in one call."""
+    rec = Record(impl="copy", **base)
+    words = max(4, round(base["min_bytes"] / 8))  # uint32: 4 B read + 4 B written each
+    try:
+        key = jax.random.key(seed + 1)
+        arrays = [jax.random.bits(jax.random.fold_in(key, i), (words,), jnp.uint32)
+                  for i in range(rec.k_sets)]
+        call_times = timer(batched(device_copy), [(a,) for a in arrays], repeats)
+        del arrays
+        # Scale to exactly min_bytes (the array size was rounded to whole words).
+        summarize(rec, [t * base["min_bytes"] / (8 * words) for t in call_times])
+        rec.copy_us, rec.copy_gbps, rec.frac_of_copy = rec.time_us, rec.gbps, 1.0
+    except Exception as e:  # noqa: BLE001
+        rec.error = short_error(e)
+    return rec
+
+
+def measure_impl(base: dict, op: str, mode: str, dtype, impl: str, sets, timer: Callable,
+                 repeats: int) -> Record:
+    rec = Record(impl=impl, **base)
+    try:
+        fn = make_op(op, impl, dtype)
+        args = mode_args(fn, mode, sets)
+        call_times = timer(batched(per_set_fn(fn, mode)), args, repeats)
+        del args
+        summarize(rec, call_times)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: record it, go on
+        rec.error = short_error(e)
+    return rec
+
+
+def fill_ratios(records: list[Record], baseline: str | None) -> None:
+    """copy ceiling and baseline ratios across the records of one (op, mode, dtype, cols)."""
+    by_impl = {r.impl: r for r in records}
+    copy = by_impl.get("copy")
+    base = by_impl.get(baseline) if baseline else None
+    for r in records:
+        if r.time_us is None:
+            continue
+        if copy is not None and copy.time_us is not None:
+            r.copy_us, r.copy_gbps = copy.time_us, copy.gbps
+            r.frac_of_copy = copy.time_us / r.time_us
+        if r.impl != "copy" and base is not None and base.time_us is not None:
+            r.baseline, r.vs_baseline = baseline, base.time_us / r.time_us
+
+
+def bench_shape(cfg, op: str, dtype_name: str, cols: int, timer: Callable) -> list[Record]:
+    """All modes and implementations for one (op, dtype, cols)."""
+    dtype = DTYPES[dtype_name]
+    itemsize = jnp.dtype(dtype).itemsize
+    nbytes = {m: min_bytes(op, m, cfg.rows, cols, itemsize) for m in cfg.modes}
+    ks = {m: num_sets(nbytes[m], cfg.footprint_mb * MB, int(cfg.max_mem_gb * GB), cfg.max_sets)
+          for m in cfg.modes}
+    records = []
+    try:
+        sets = make_sets(op, dtype, cfg.rows, cols, max(ks.values()),
+                         with_dy=any(m != "fwd" for m in cfg.modes), seed=cfg.seed)
+    except Exception as e:  # noqa: BLE001
+        for m in cfg.modes:
+            records.append(Record(op, m, dtype_name, cfg.rows, cols, "inputs", cfg.timer,
+                                  ks[m], nbytes[m], error=short_error(e)))
+        log(f"{op} {dtype_name} cols={cols}: inputs failed: {short_error(e)}")
+        return records
+
+    for mode in cfg.modes:
+        k = ks[mode]
+        base = dict(op=op, mode=mode, dtype=dtype_name, rows=cfg.rows, cols=cols,
+                    timer=cfg.timer, k_sets=k, min_bytes=nbytes[mode])
+        errs = check(op, mode, dtype, cfg.impls, sets[0]) if cfg.check else {}
+        if errs:
+            log(f"check {op} {mode} {dtype_name} cols={cols}: max rel err vs xla: " +
+                ", ".join(f"{i} {e:.2e}" if isinstance(e, float) else f"{i} ERROR {e}"
+                          for i, e in errs.items()))
+        group = [measure_copy(base, timer, cfg.repeats, cfg.seed)]
+        for impl in cfg.impls:
+            group.append(measure_impl(base, op, mode, dtype, impl, sets[:k], timer, cfg.repeats))
+            if isinstance(errs.get(impl), float):
+                group[-1].max_rel_err = errs[impl]
+        fill_ratios(group, cfg.baseline)
+        log(f"{op} {mode} {dtype_name} rows={cfg.rows} cols={cols} K={k}: " + ", ".join(
+            f"{r.impl} {r.time_us:.1f}us" if r.time_us is not None else f"{r.impl} ERROR"
+            for r in group))
+        records += group
+    del sets
+    return records
+
+
+# ---------------------------------------------------------------- output ----
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fmt(v, spec: str, width: int) -> str:
+    return (format(v, spec) if v is not None else "-").rjust(width)
+
+
+def format_tables(records: list[Record], impls: Sequence[str], baseline: str | None,
+                  meta: dict) -> str:
+    """One table per (op, mode, dtype): a row per cols, a column group per impl."""
+    lines = []
+    groups = list(dict.fromkeys((r.op, r.mode, r.dtype) for r in records))
+    vs = f"x{baseline}" if baseline else "vs"
+    fields = [("us", 9), ("GB/s", 7), ("%copy", 6), (vs, 7), ("+-%", 5)]
+    for op, mode, dtype in groups:
+        recs = [r for r in records if (r.op, r.mode, r.dtype) == (op, mode, dtype)]
+        rows = recs[0].rows
+        lines.append("")
+        lines.append(f"{op} {mode} {dtype}, rows={rows} | {meta['device_kind']} | "
+                     f"{meta['timer']} time per call, median of {meta['repeats']}")
+        group_w = sum(w for _, w in fields) + len(fields) - 1
+        head1 = f"{'':>6} {'':>4} | {'copy':^15}"
+        head2 = f"{'cols':>6} {'K':>4} | {'us':>9} {'GB/s':>5}"
+        for impl in impls:
+            head1 += f" | {impl:^{group_w}}"
+            head2 += " | " + " ".join(f"{name:>{w}}" for name, w in fields)
+        lines += [head1, head2, "-" * len(head2)]
+        errors = []
+        for cols in dict.fromkeys(r.cols for r in recs):
+            by_impl = {r.impl: r for r in recs if r.cols == cols}
+            copy = by_impl.get("copy")
+            k = next(iter(by_impl.values())).k_sets
+            line = f"{cols:>6} {k:>4} | "
+            line += (f"{_fmt(copy.time_us, '.1f', 9)} {_fmt(copy.gbps, '.0f', 5)}"
+                     if copy and copy.time_us is not None else f"{'ERROR':>15}")
+            for impl in impls:
+                r = by_impl.get(impl)
+                if r is None or r.time_us is None:
+                    line += f" | {'ERROR':>{group_w}}"
+                    continue
+                spread = 100 * (r.time_us_max - r.time_us_min) / r.time_us
+                line += " | " + " ".join([
+                    _fmt(r.time_us, ".1f", 9), _fmt(r.gbps, ".1f", 7),
+                    _fmt(None if r.frac_of_copy is None else 100 * r.frac_of_copy, ".0f", 6),
+                    _fmt(r.vs_baseline, ".2f", 7), _fmt(spread, ".0f", 5)])
+            lines.append(line)
+            errors += [f"  cols={cols} {r.impl}: {r.error}" for r in by_impl.values() if r.error]
+            errors += [f"  cols={cols} {r.impl}: max rel err vs xla {r.max_rel_err:.2e}"
+                       for r in by_impl.values() if r.max_rel_err is not None]
+        lines += errors
+    lines.append("")
+    lines.append("us: per call (one input set); GB/s: minimum bytes / time; %copy: copy time / "
+                 f"time; {vs}: {baseline or 'baseline'} time / time; +-%: (max-min)/median.")
+    return "\n".join(lines)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def metadata(cfg, argv: Sequence[str]) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "git_commit": git_commit(),
+        "command": " ".join([sys.argv[0] or "jax_ops.bench", *argv]),
+        "python": sys.version.split()[0],
+        "flax_version": _flax_version(),
+        "timer": cfg.timer,
+        "repeats": cfg.repeats,
+        "footprint_mb": cfg.footprint_mb,
+        "baseline": cfg.baseline,
+        "epsilon": {op: EPSILON[op] for op in cfg.ops},
+    }
+
+
+def _flax_version() -> str | None:
+    if not flax_available():
+        return None
+    import flax
+    return getattr(flax, "__version__", None)
+
+
+def default_json_path(op: str, device_kind: str) -> Path:
+    device = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("benchmarks") / "results" / f"{op}_{device}_{date}.json"
+
+
+def write_json(path: Path, meta: dict, records: list[Record]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"metadata": meta,
+                                "records": [dataclasses.asdict(r) for r in records]}, indent=1))
+
+
+def write_csv(path: Path, records: list[Record]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [f.name for f in dataclasses.fields(Record) if f.name != "times_us"]
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=names, extrasaction="ignore")
+        w.writeheader()
+        for r in records:
+            w.writerow(dataclasses.asdict(r))
+
+
+# ------------------------------------------------------------------- CLI ----
+
+def _list(choices: Sequence[str] | None = None, kind=str):
+    def parse(text: str):
+        items = [kind(t) for t in text.split(",") if t.strip()]
+        bad = [t for t in items if choices is not None and t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {list(choices or [])}; "
+                                             f"got {text!r}")
+        return items
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None):
+    p = argparse.ArgumentParser(prog="python -m jax_ops.bench", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--op", type=_list(OPS), default=["layer_norm"], help="layer_norm, rms_norm")
+    p.add_argument("--impl", type=_list(IMPLS), default=None,
+                   help="default: cuda,xla,flax (jnp when flax is missing)")
+    p.add_argument("--dtype", type=_list(tuple(DTYPES)), default=["bf16"], help="bf16, f32, f16")
+    p.add_argument("--rows", type=int, default=None, help="default 49152 on GPU, 4096 on CPU")
+    p.add_argument("--cols", type=_list(kind=int), default=None,
+                   help="comma list; default 32..32768 on GPU, 32,128,512,1024,4096 on CPU")
+    p.add_argument("--mode", type=_list(MODES), default=["fwd", "fwd_bwd"],
+                   help="fwd, fwd_bwd, bwd (default fwd,fwd_bwd)")
+    p.add_argument("--repeats", type=int, default=5, help="measurements per point (default 5)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every impl with xla on the first input set before timing")
+    p.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
+                   help="write JSON; without PATH: benchmarks/results/<op>_<device>_<date>.json")
+    p.add_argument("--csv", default=None, metavar="PATH", help="also write CSV")
+    p.add_argument("--timer", choices=("auto", "cupti", "wall"), default="auto",
+                   help="auto: cupti on GPU, wall clock elsewhere")
+    p.add_argument("--footprint-mb", type=int, default=None,
+                   help="min bytes touched per measured call (K sets); default 512 GPU, 32 CPU")
+    p.add_argument("--max-mem-gb", type=float, default=20.0,
+                   help="cap of K * min_bytes (default 20)")
+    p.add_argument("--max-sets", type=int, default=256, help="cap of K (compile time)")
+    p.add_argument("--seed", type=int, default=0)
+    cfg = p.parse_args(argv)
+
+    on_gpu = jax.default_backend() == "gpu"
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    cfg.rows = cfg.rows or defaults["rows"]
+    cfg.cols = cfg.cols or list(defaults["cols"])
+    cfg.footprint_mb = cfg.footprint_mb or defaults["footprint_mb"]
+    if cfg.timer == "auto":
+        cfg.timer = "cupti" if on_gpu else "wall"
+    if cfg.repeats < 1 or cfg.rows < 1 or any(c < 1 for c in cfg.cols):
+        p.error("--repeats, --rows and --cols must be positive")
+    cfg.impls = resolve_impls(cfg.impl)
+    cfg.baseline = "flax" if "flax" in cfg.impls else "jnp" if "jnp" in cfg.impls else None
+    cfg.ops = cfg.op
+    cfg.dtypes = cfg.dtype
+    cfg.modes = cfg.mode
+    return cfg
+
+
+def resolve_impls(asked: list[str] | None) -> list[str]:
+    """The asked implementations (default cuda, xla, flax); flax -> jnp when missing."""
+    impls = list(asked or ["cuda", "xla", "flax"])
+    if "flax" in impls and not flax_available():
+        log("flax is not importable: using the plain jax.numpy autodiff reference 'jnp' instead")
+        impls = [i for i in impls if i != "flax"] + ([] if "jnp" in impls else ["jnp"])
+    return list(dict.fromkeys(impls))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(argv)
+    timer = TIMERS[cfg.timer]
+    meta = metadata(cfg, argv)
+    log(f"jax {meta['jax_version']} on {meta['device_kind']} ({meta['platform']}), timer "
+        f"{cfg.timer}, impls {cfg.impls}, rows {cfg.rows}, cols {cfg.cols}")
+
+    records: list[Record] = []
+    for op in cfg.ops:
+        for dtype_name in cfg.dtypes:
+            for cols in cfg.cols:
+                records += bench_shape(cfg, op, dtype_name, cols, timer)
+
+    print(format_tables(records, cfg.impls, cfg.baseline, meta))
+    if cfg.json is not None:
+        path = Path(cfg.json) if cfg.json else default_json_path("-".join(cfg.ops),
+                                                                 meta["device_kind"])
+        write_json(path, meta, records)
+        log(f"wrote {path}")
+    if cfg.csv:
+        write_csv(Path(cfg.csv), records)
+        log(f"wrote {cfg.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

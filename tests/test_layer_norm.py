@@ -1,0 +1,767 @@
+"""Tests of jax_ops.layer_norm and jax_ops.rms_norm.
+
+Everything is checked against a float64 NumPy reference written here (forward and
+the analytic backward), for every implementation that can lower on the platform jax
+runs on (jax.default_backend(): the host CPU in CI, the GPU on a GPU machine, where
+implementation="cuda" means the CUDA kernels).
+
+Error metric: ||out - ref|| / ||ref|| after casting both to float64, where the
+reference gets the *same* (possibly low-precision) inputs upcast to float64, plus a
+per-element bound max|out - ref| <= elem_tol * max|ref|, and every output element
+must be finite (an element a kernel forgot to write fails the element check).
+For dx the scale is ||rstd * dy * scale|| instead of ||dx||: dx is that vector with
+one or two directions projected out, so the two norms agree for wide rows, but for
+rows of 1-2 columns dx is pure cancellation (LayerNorm over 1 column has dx == 0)
+and only the scale of the cancelled terms is a meaningful yardstick.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_ops
+from jax_ops import _extension, dispatch
+from jax_ops.layer_norm import norm_bwd_p, norm_fwd_p
+
+FWD_TARGET = "jax_ops_norm_fwd"
+BWD_TARGET = "jax_ops_norm_bwd"
+OPS = ("layer_norm", "rms_norm")
+IMPLS = ("xla", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
+
+# ||out - ref|| / ||ref||, and max|out - ref| / max|ref|, per x dtype.
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+ELEM_TOL = {"float32": 5e-5, "bfloat16": 1e-2, "float16": 1e-2}
+HEAVY_COLS = 65536
+TOL_HEAVY_F32 = 2e-5
+
+
+def _lowering_platform() -> str:
+    """The jax lowering platform of the default backend ("cpu", "cuda", "rocm", ...)."""
+    backend = jax.default_backend()
+    try:
+        from jax._src import xla_bridge
+        return xla_bridge.canonicalize_platform(backend)
+    except Exception:  # pragma: no cover - private API moved
+        return {"gpu": "cuda"}.get(backend, backend)
+
+
+PLATFORM = _lowering_platform()
+AVAILABLE = dispatch.available(PLATFORM, FWD_TARGET)
+
+
+def need(impl):
+    """Skips the calling test when `impl` cannot lower on this platform."""
+    if impl is not None and impl not in AVAILABLE:
+        why = "" if _extension.IMPORT_ERROR is None else f"; extension import failed: {_extension.IMPORT_ERROR}"
+        pytest.skip(f"implementation={impl!r} is not available on platform {PLATFORM!r} "
+                    f"(available: {AVAILABLE}{why})")
+
+
+def norm(op, x, scale=None, bias=None, *, impl=None, epsilon=None):
+    """Calls jax_ops.<op>; bias must be None for rms_norm."""
+    kw = {"implementation": impl}
+    if epsilon is not None:
+        kw["epsilon"] = epsilon
+    if op == "layer_norm":
+        return jax_ops.layer_norm(x, scale, bias, **kw)
+    assert bias is None, "rms_norm takes no bias"
+    return jax_ops.rms_norm(x, scale, **kw)
+
+
+# ------------------------------------------------------- float64 reference ---
+
+def f64(a):
+    return None if a is None else np.asarray(a).astype(np.float64)
+
+
+def ref_stats(x, eps, rms):
+    """Row mean (zeros for RMSNorm) and rstd, float64."""
+    x = f64(x)
+    if rms:
+        return np.zeros(x.shape[:-1]), 1.0 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+    mean = np.mean(x, axis=-1)
+    var = np.mean((x - mean[..., None]) ** 2, axis=-1)  # biased
+    return mean, 1.0 / np.sqrt(var + eps)
+
+
+def ref_forward(x, scale, bias, eps, rms):
+    """y = (x - mean) * rstd * scale + bias in float64."""
+    mean, rstd = ref_stats(x, eps, rms)
+    y = (f64(x) - mean[..., None]) * rstd[..., None]
+    if scale is not None:
+        y = y * f64(scale)
+    if bias is not None:
+        y = y + f64(bias)
+    return y
+
+
+def ref_backward(dy, x, scale, eps, rms):
+    """Analytic VJP of ref_forward in float64: (dx, dscale, dbias, dx_scale).
+
+    With xhat = (x - mu) * r, r = (var + eps)^-1/2 and var = mean((x - mu)^2):
+      d xhat_j / d x_i = r * (delta_ij - 1/n - xhat_i * xhat_j / n)
+    (RMSNorm: mu = 0 and no 1/n term), so with g = dy * scale
+      dx = r * (g - mean(g) - xhat * mean(g * xhat))     [RMSNorm: no mean(g)]
+      dscale = sum over rows of dy * xhat,  dbias = sum over rows of dy.
+    dx_scale = r * g, the size of the terms that dx cancels (see module docstring).
+    """
+    mean, rstd = ref_stats(x, eps, rms)
+    dy = f64(dy)
+    xhat = (f64(x) - mean[..., None]) * rstd[..., None]
+    g = dy * f64(scale) if scale is not None else dy
+    mean_gx = np.mean(g * xhat, axis=-1, keepdims=True)
+    mean_g = 0.0 if rms else np.mean(g, axis=-1, keepdims=True)
+    dx = rstd[..., None] * (g - mean_g - xhat * mean_gx)
+    rows = tuple(range(x.ndim - 1))
+    return dx, np.sum(dy * xhat, axis=rows), np.sum(dy, axis=rows), rstd[..., None] * g
+
+
+def assert_close(name, out, ref, *, tol, elem_tol, scale=None):
+    """Finite, same shape, relative norm error <= tol, per-element error <= elem_tol * max scale."""
+    out = f64(out)
+    ref = np.asarray(ref, np.float64)
+    assert out.shape == ref.shape, f"{name}: shape {out.shape}, expected {ref.shape}"
+    bad = ~np.isfinite(out)
+    assert not bad.any(), f"{name}: {int(bad.sum())} non-finite elements, first at {tuple(np.argwhere(bad)[0])}"
+    if out.size == 0:
+        return
+    s = ref if scale is None else np.asarray(scale, np.float64)
+    diff = np.abs(out - ref)
+    denom = max(np.linalg.norm(ref), np.linalg.norm(s))
+    if denom == 0.0:  # e.g. LayerNorm over one column without bias: y == 0 exactly
+        assert diff.max() <= tol, f"{name}: expected zeros, max |out| = {diff.max():.3g}"
+        return
+    rel = np.linalg.norm(out - ref) / denom
+    assert rel <= tol, f"{name}: relative error {rel:.3g} > {tol:g}"
+    worst = np.unravel_index(np.argmax(diff), diff.shape)
+    elem_scale = max(np.abs(ref).max(), np.abs(s).max())
+    assert diff[worst] <= elem_tol * elem_scale, (
+        f"{name}: element {worst} is {out[worst]!r}, expected {ref[worst]!r} "
+        f"(error {diff[worst]:.3g} > {elem_tol:g} * {elem_scale:.3g})")
+
+
+def bitwise_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+# ------------------------------------------------------------ input factory ---
+
+def make_inputs(seed, shape, dtype="float32", scale_dtype=None, bias_dtype=None, offset=5.0, spread=3.0):
+    """x = randn * spread + offset, random scale/bias/dy (jnp arrays; None where dtype is None)."""
+    rng = np.random.default_rng(seed)
+    cols = shape[-1]
+    x = jnp.asarray(rng.standard_normal(shape) * spread + offset, dtype)
+    dy = jnp.asarray(rng.standard_normal(shape), dtype)
+    scale = None if scale_dtype is None else jnp.asarray(rng.standard_normal(cols) * 0.5 + 1.0, scale_dtype)
+    bias = None if bias_dtype is None else jnp.asarray(rng.standard_normal(cols), bias_dtype)
+    return x, scale, bias, dy
+
+
+def seed_of(text):
+    return zlib.crc32(text.encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    dtype: str
+    shape: tuple
+    scale_dtype: str | None
+    bias_dtype: str | None
+    seed: int
+
+    def inputs(self):
+        return make_inputs(self.seed, self.shape, self.dtype, self.scale_dtype, self.bias_dtype)
+
+
+SHAPES = [(), (1,), (3,), (2, 5)]          # leading (row) shapes, cycled over the cases
+HEAVY_SHAPES = [(), (1,), (3,)]            # few rows at 65536 columns
+COLS = [1, 2, 3, 31, 32, 33, 127, 128, 129, 1000, 1024, 1025, 4096, 5000, HEAVY_COLS]
+# (scale, bias) dtype: "f32", "x" (x's dtype) or None (absent); cycled over the cases.
+PARAM_VARIANTS = {
+    "layer_norm": [(None, None), ("f32", "f32"), ("x", "x"), ("f32", None), (None, "x")],
+    "rms_norm": [(None, None), ("f32", None), ("x", None)],
+}
+
+
+def _matrix():
+    """Every cols value for every op and dtype; leading shape and scale/bias variant cycle."""
+    params = []
+    for op in OPS:
+        variants = PARAM_VARIANTS[op]
+        for i, (dtype, cols) in enumerate((d, c) for d in DTYPES for c in COLS):
+            shapes = HEAVY_SHAPES if cols == HEAVY_COLS else SHAPES
+            lead = shapes[i % len(shapes)]
+            sv, bv = variants[i % len(variants)]
+            sdt = {"f32": "float32", "x": dtype, None: None}[sv]
+            bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+            shape = lead + (cols,)
+            cid = f"{op}-{dtype}-{'x'.join(map(str, shape))}-scale_{sdt}-bias_{bdt}"
+            marks = [pytest.mark.heavy] if cols == HEAVY_COLS else []
+            params.append(pytest.param(Case(op, dtype, shape, sdt, bdt, seed_of(cid)), id=cid, marks=marks))
+    return params
+
+
+def fwd_bwd_fn(op, impl, epsilon=None):
+    """jit: (x, scale, bias, dy) -> (y, (dx, dscale, dbias)) through jax.vjp."""
+    @jax.jit
+    def run(x, scale, bias, dy):
+        y, vjp = jax.vjp(lambda x, s, b: norm(op, x, s, b, impl=impl, epsilon=epsilon), x, scale, bias)
+        return y, vjp(dy)
+    return run
+
+
+def check_against_reference(op, x, scale, bias, dy, y, grads, *, epsilon=None, tol=None, elem_tol=None):
+    """Compares forward output and (dx, dscale, dbias) to the float64 reference."""
+    dtype = jnp.dtype(x.dtype).name
+    tol = tol or TOL[dtype]
+    elem_tol = elem_tol or ELEM_TOL[dtype]
+    eps = DEFAULT_EPS[op] if epsilon is None else epsilon
+    rms = op == "rms_norm"
+    dx, dscale, dbias = grads
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert dx.dtype == x.dtype and dx.shape == x.shape
+    assert_close("y", y, ref_forward(x, scale, bias, eps, rms), tol=tol, elem_tol=elem_tol)
+    rdx, rds, rdb, dx_scale = ref_backward(dy, x, scale, eps, rms)
+    assert_close("dx", dx, rdx, tol=tol, elem_tol=elem_tol, scale=dx_scale)
+    for name, p, got, want in (("dscale", scale, dscale, rds), ("dbias", bias, dbias, rdb)):
+        if p is None:
+            assert got is None, f"{name} should be None without the parameter"
+        else:
+            assert got.dtype == p.dtype and got.shape == p.shape, f"{name}: {got.dtype}{got.shape}"
+            assert_close(name, got, want, tol=tol, elem_tol=elem_tol)
+
+
+# ------------------------------------------------------------ test oracle ---
+
+@pytest.mark.parametrize("op", OPS)
+def test_reference_backward_matches_finite_differences(op):
+    """The analytic float64 backward used as oracle agrees with central differences."""
+    rms = op == "rms_norm"
+    rng = np.random.default_rng(seed_of("oracle" + op))
+    x, s, b, dy = (rng.standard_normal((3, 6)) * 3 + 5, rng.standard_normal(6) + 1,
+                   rng.standard_normal(6), rng.standard_normal((3, 6)))
+    eps, h = 1e-3, 1e-6
+    dx, ds, db, _ = ref_backward(dy, x, s, eps, rms)
+
+    def loss(x, s, b):
+        return np.sum(ref_forward(x, s, None if rms else b, eps, rms) * dy)
+
+    def num_grad(i):
+        args = [x, s, b]
+        g = np.zeros_like(args[i])
+        for idx in np.ndindex(g.shape):
+            up = [a.copy() for a in args]
+            dn = [a.copy() for a in args]
+            up[i][idx] += h
+            dn[i][idx] -= h
+            g[idx] = (loss(*up) - loss(*dn)) / (2 * h)
+        return g
+
+    np.testing.assert_allclose(dx, num_grad(0), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ds, num_grad(1), rtol=1e-6, atol=1e-7)
+    if not rms:
+        np.testing.assert_allclose(db, num_grad(2), rtol=1e-6, atol=1e-7)
+
+
+# -------------------------------------------------- forward/backward matrix ---
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", _matrix())
+def test_matches_reference(case, impl):
+    need(impl)
+    x, scale, bias, dy = case.inputs()
+    y, grads = fwd_bwd_fn(case.op, impl)(x, scale, bias, dy)
+    tol = TOL_HEAVY_F32 if (case.dtype == "float32" and case.shape[-1] == HEAVY_COLS) else None
+    check_against_reference(case.op, x, scale, bias, dy, y, grads, tol=tol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_lowering_uses_the_chosen_implementation(op, impl):
+    """"cuda" lowers to our FFI custom calls (forward and backward), "xla" to none:
+    the matrix above really exercises both paths."""
+    need(impl)
+    x, scale, _, _ = make_inputs(1, (4, 16), scale_dtype="float32")
+    fn = jax.jit(jax.grad(lambda x, s: jnp.sum(norm(op, x, s, impl=impl) ** 2), argnums=(0, 1)))
+    text = fn.lower(x, scale).as_text()
+    for target in (FWD_TARGET, BWD_TARGET):
+        assert (target in text) == (impl == "cuda"), f"{target} in lowering: {target in text}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_implementation_none_is_the_automatic_choice(op, dtype):
+    chosen = dispatch.choose(op, None, PLATFORM, FWD_TARGET)
+    assert chosen in AVAILABLE
+    x, scale, bias, dy = make_inputs(seed_of("auto" + op + dtype), (5, 129), dtype, "float32",
+                                     "float32" if op == "layer_norm" else None)
+    y, grads = fwd_bwd_fn(op, None)(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y, grads)
+    y2, grads2 = fwd_bwd_fn(op, chosen)(x, scale, bias, dy)
+    for a, b in zip(jax.tree.leaves((y, grads)), jax.tree.leaves((y2, grads2))):
+        assert bitwise_equal(a, b), f"implementation=None differs from {chosen!r}"
+    text = jax.jit(lambda x: norm(op, x, impl=None)).lower(x).as_text()
+    assert (FWD_TARGET in text) == (chosen == "cuda")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("epsilon", [0.0, 0.5, 10.0])
+@pytest.mark.parametrize("op", OPS)
+def test_epsilon_is_honoured(op, epsilon, impl):
+    need(impl)
+    x, scale, bias, dy = make_inputs(seed_of(f"eps{op}{epsilon}"), (4, 33), "float32", "float32",
+                                     "float32" if op == "layer_norm" else None, offset=1.0, spread=1.0)
+    y, grads = fwd_bwd_fn(op, impl, epsilon)(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y, grads, epsilon=epsilon)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_large_mean_offset_is_stable(op, impl):
+    """|mean| >> std: a one-pass E[x^2] - E[x]^2 variance in float32 loses ~1e-2 here."""
+    need(impl)
+    x, scale, bias, dy = make_inputs(seed_of("offset" + op), (8, 1000), "float32", "float32",
+                                     "float32" if op == "layer_norm" else None, offset=300.0, spread=1.0)
+    y, grads = fwd_bwd_fn(op, impl)(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y, grads, tol=1e-3, elem_tol=2e-3)
+
+
+# ----------------------------------------------------- primitive-level tests ---
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_primitives_with_stats(op, dtype, impl):
+    """norm_fwd_p with_stats=True returns float32 mean/rstd (float32 accuracy even for
+    bfloat16 x); norm_bwd_p consumes them."""
+    need(impl)
+    rms = op == "rms_norm"
+    eps = DEFAULT_EPS[op]
+    x, scale, bias, dy = make_inputs(seed_of(f"prim{op}{dtype}"), (2, 3, 1025), dtype, "float32",
+                                     None if rms else "float32")
+    none = jnp.zeros((0,), jnp.float32)
+    bias_arg = none if bias is None else bias
+    y, mean, rstd = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=True,
+                                    implementation=impl)
+    rmean, rrstd = ref_stats(x, eps, rms)
+    assert rstd.dtype == jnp.float32 and rstd.shape == (2, 3)
+    assert_close("rstd", rstd, rrstd, tol=1e-5, elem_tol=5e-5)
+    if rms:
+        assert mean.shape == (0,)
+    else:
+        assert mean.dtype == jnp.float32 and mean.shape == (2, 3)
+        assert_close("mean", mean, rmean, tol=1e-5, elem_tol=5e-5)
+    assert_close("y", y, ref_forward(x, scale, bias, eps, rms), tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
+
+    y2, m2, r2 = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=False,
+                                 implementation=impl)
+    assert m2.shape == (0,) and r2.shape == (0,)
+    assert bitwise_equal(y, y2), "with_stats must not change y"
+
+    dx, dscale, dbias = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
+                                        dbias_dtype=None if bias is None else bias.dtype,
+                                        implementation=impl)
+    rdx, rds, rdb, dx_scale = ref_backward(dy, x, scale, eps, rms)
+    assert_close("dx", dx, rdx, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype], scale=dx_scale)
+    assert_close("dscale", dscale, rds, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
+    if rms:
+        assert dbias.shape == (0,)
+    else:
+        assert dbias.dtype == bias.dtype
+        assert_close("dbias", dbias, rdb, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
+
+
+# --------------------------------------------------------------- gradients ---
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_check_grads(op, impl):
+    need(impl)
+    x, scale, bias, _ = make_inputs(seed_of("check_grads" + op), (3, 7), "float32", "float32",
+                                    "float32", offset=0.5, spread=1.0)
+    if op == "layer_norm":
+        f, args = (lambda x, s, b: jax_ops.layer_norm(x, s, b, implementation=impl)), (x, scale, bias)
+    else:
+        f, args = (lambda x, s: jax_ops.rms_norm(x, s, implementation=impl)), (x, scale)
+    check_grads(f, args, order=1, modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
+
+
+def _loss_fn(op, impl, w):
+    if op == "layer_norm":
+        return lambda x, s, b: jnp.sum(jax_ops.layer_norm(x, s, b, implementation=impl) * w)
+    return lambda x, s, b: jnp.sum(jax_ops.rms_norm(x, s, implementation=impl) * w) + 0.0 * jnp.sum(b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_value_and_grad_under_jit(op, impl):
+    need(impl)
+    x, scale, bias, w = make_inputs(seed_of("vag" + op), (6, 40), "float32", "float32", "float32")
+    loss = _loss_fn(op, impl, w)
+    val, (dx, ds, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+    rms = op == "rms_norm"
+    eps = DEFAULT_EPS[op]
+    ref_bias = None if rms else bias
+    ref_val = np.sum(ref_forward(x, scale, ref_bias, eps, rms) * f64(w))
+    np.testing.assert_allclose(float(val), ref_val, rtol=1e-5, atol=1e-4)
+    rdx, rds, rdb, dx_scale = ref_backward(w, x, scale, eps, rms)
+    assert_close("dx", dx, rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
+    assert_close("dscale", ds, rds, tol=1e-5, elem_tol=5e-5)
+    assert_close("dbias", db, np.zeros(40) if rms else rdb, tol=1e-5, elem_tol=5e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_checkpoint_inside_grad(op, impl):
+    need(impl)
+    x, scale, bias, w = make_inputs(seed_of("remat" + op), (4, 3, 48), "float32", "float32", "float32")
+
+    def body(x, s, b):
+        h = norm(op, x, s, None if op == "rms_norm" else b, impl=impl)
+        return jnp.tanh(h) * 2.0 + x  # so the normalized value is needed by the backward
+
+    def loss(f):
+        return lambda x, s, b: jnp.sum(f(x, s, b) * w)
+
+    grad = jax.jit(jax.grad(loss(body), argnums=(0, 1, 2)))
+    grad_remat = jax.jit(jax.grad(loss(jax.checkpoint(body)), argnums=(0, 1, 2)))
+    g_plain, g_remat = grad(x, scale, bias), grad_remat(x, scale, bias)
+    for a, b in zip(g_plain, g_remat):
+        np.testing.assert_allclose(f64(b), f64(a), rtol=1e-6, atol=1e-6)
+    # Chain rule through the reference: d/dh of sum((tanh(h)*2 + x) * w) = 2 (1 - tanh^2) w.
+    rms, eps = op == "rms_norm", DEFAULT_EPS[op]
+    h = ref_forward(x, scale, None if rms else bias, eps, rms)
+    dh = 2.0 * (1.0 - np.tanh(h) ** 2) * f64(w)
+    rdx, rds, rdb, dx_scale = ref_backward(dh, x, scale, eps, rms)
+    assert_close("dx", f64(g_remat[0]) - f64(w), rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
+    assert_close("dscale", g_remat[1], rds, tol=1e-5, elem_tol=5e-5)
+    if not rms:
+        assert_close("dbias", g_remat[2], rdb, tol=1e-5, elem_tol=5e-5)
+    # The forward is recomputed inside the rematerialized backward, not saved.
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss(jax.checkpoint(body))))(x, scale, bias))
+    assert "remat" in jaxpr and jaxpr.count("jax_ops_norm_fwd") == 2, jaxpr
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_donated_input(op, impl):
+    need(impl)
+    rms, eps = op == "rms_norm", DEFAULT_EPS[op]
+    x, scale, bias, w = make_inputs(seed_of("donate" + op), (16, 129), "float32", "float32",
+                                    None if rms else "float32")
+    x_host = np.asarray(x).copy()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        y = jax.jit(lambda x: norm(op, x, scale, bias, impl=impl), donate_argnums=0)(x)
+        assert_close("y", y, ref_forward(x_host, scale, bias, eps, rms), tol=1e-5, elem_tol=5e-5)
+        x2 = jnp.asarray(x_host)
+        loss = lambda x: jnp.sum(norm(op, x, scale, bias, impl=impl) * w)  # noqa: E731
+        dx = jax.jit(jax.grad(loss), donate_argnums=0)(x2)
+    rdx, _, _, dx_scale = ref_backward(w, x_host, scale, eps, rms)
+    assert_close("dx", dx, rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_jacrev_matches_reference_jacobian(op, impl):
+    """jacrev vmaps the backward over cotangents with x unbatched."""
+    need(impl)
+    rms, eps = op == "rms_norm", DEFAULT_EPS[op]
+    x, scale, bias, _ = make_inputs(seed_of("jac" + op), (2, 5), "float32", "float32",
+                                    None if rms else "float32")
+    jac = jax.jit(jax.jacrev(lambda x: norm(op, x, scale, bias, impl=impl)))(x)
+    assert jac.shape == (2, 5, 2, 5)
+    ref = np.zeros((2, 5, 2, 5))
+    for idx in np.ndindex(2, 5):
+        e = np.zeros((2, 5))
+        e[idx] = 1.0
+        ref[idx] = ref_backward(e, x, scale, eps, rms)[0]
+    np.testing.assert_allclose(f64(jac), ref, rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------- vmap ---
+
+def _tree_assert_close(got, want, rtol=1e-6, atol=1e-6):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(f64(a), f64(b), rtol=rtol, atol=atol)
+
+
+def _ln_or_rms(op, impl):
+    if op == "layer_norm":
+        return lambda x, s, b: jax_ops.layer_norm(x, s, b, implementation=impl)
+    return lambda x, s, b: jax_ops.rms_norm(x, s, implementation=impl) + 0 * b
+
+
+VMAP_CASES = [  # id, x shape, in_axes (x, scale, bias), batch size
+    ("x_axis0", (3, 4, 33), (0, None, None), 3),
+    ("x_axis1", (4, 3, 33), (1, None, None), 3),
+    ("x_axis-1", (4, 33, 3), (-1, None, None), 3),
+    ("x_axis0_rank1", (3, 33), (0, None, None), 3),
+    ("x_and_params_axis0", (3, 4, 33), (0, 0, 0), 3),
+    ("params_only_axis0", (4, 33), (None, 0, 0), 3),
+]
+
+
+def _vmap_args(shape, axes, batch, seed):
+    """x of `shape` batched along axes[0]; scale/bias per example when axes[1] == 0."""
+    rng = np.random.default_rng(seed)
+    cols = shape[-2] if axes[0] == -1 else shape[-1]
+    pshape = (batch, cols) if axes[1] == 0 else (cols,)
+    x = jnp.asarray(rng.standard_normal(shape) * 3 + 5, jnp.float32)
+    scale = jnp.asarray(rng.standard_normal(pshape) * 0.5 + 1.0, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(pshape), jnp.float32)
+    return x, scale, bias
+
+
+def _take(a, axis, i):
+    return a if axis is None else jnp.take(a, i, axis=axis)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("vid,shape,axes,batch", VMAP_CASES, ids=[c[0] for c in VMAP_CASES])
+def test_vmap_matches_loop(vid, shape, axes, batch, op, impl):
+    need(impl)
+    x, scale, bias = _vmap_args(shape, axes, batch, seed_of("vmap" + vid + op))
+    f = _ln_or_rms(op, impl)
+    got = jax.jit(jax.vmap(f, in_axes=axes))(x, scale, bias)
+    want = jnp.stack([f(*(_take(a, ax, i) for a, ax in zip((x, scale, bias), axes)))
+                      for i in range(batch)])
+    _tree_assert_close(got, want)
+    # ... and the loop itself is right.
+    rms, eps = op == "rms_norm", DEFAULT_EPS[op]
+    for i in range(batch):
+        xi, si, bi = (_take(a, ax, i) for a, ax in zip((x, scale, bias), axes))
+        assert_close(f"y[{i}]", want[i], ref_forward(xi, si, None if rms else bi, eps, rms),
+                     tol=1e-5, elem_tol=5e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("vid,shape,axes,batch", VMAP_CASES, ids=[c[0] for c in VMAP_CASES])
+def test_vmap_of_grad_matches_loop(vid, shape, axes, batch, op, impl):
+    """Per-example gradients (dscale/dbias per example) equal a Python loop of jax.grad."""
+    need(impl)
+    x, scale, bias = _vmap_args(shape, axes, batch, seed_of("vgrad" + vid + op))
+    f = _ln_or_rms(op, impl)
+    x0 = _take(x, axes[0], 0)
+    w = jnp.asarray(np.random.default_rng(seed_of("w" + vid)).standard_normal(x0.shape), jnp.float32)
+    grad = jax.grad(lambda x, s, b: jnp.sum(f(x, s, b) * w), argnums=(0, 1, 2))
+    got = jax.jit(jax.vmap(grad, in_axes=axes))(x, scale, bias)
+    loop = [grad(*(_take(a, ax, i) for a, ax in zip((x, scale, bias), axes))) for i in range(batch)]
+    want = tuple(jnp.stack([g[k] for g in loop]) for k in range(3))
+    _tree_assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The loop against the reference, so that a shared mistake cannot pass.
+    rms, eps = op == "rms_norm", DEFAULT_EPS[op]
+    for i in range(batch):
+        xi, si = _take(x, axes[0], i), _take(scale, axes[1], i)
+        rdx, rds, rdb, dx_scale = ref_backward(w, xi, si, eps, rms)
+        assert_close(f"dx[{i}]", want[0][i], rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
+        assert_close(f"dscale[{i}]", want[1][i], rds, tol=1e-5, elem_tol=5e-5)
+        if not rms:
+            assert_close(f"dbias[{i}]", want[2][i], rdb, tol=1e-5, elem_tol=5e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_nested_vmap(op, impl):
+    need(impl)
+    x, scale, bias, _ = make_inputs(seed_of("nested" + op), (2, 4, 3, 65), "float32", "float32", "float32")
+    f = _ln_or_rms(op, impl)
+    # outer vmap over axis 0 of x (size 2), inner over axis 1 of the (4, 3, 65) slices (size 3).
+    nested = jax.jit(jax.vmap(jax.vmap(f, in_axes=(1, None, None)), in_axes=(0, None, None)))
+    got = nested(x, scale, bias)
+    assert got.shape == (2, 3, 4, 65)
+    want = jnp.stack([jnp.stack([f(x[i, :, j], scale, bias) for j in range(3)]) for i in range(2)])
+    _tree_assert_close(got, want)
+    # nested vmap of grad, scale batched over the outer axis
+    scales = jnp.stack([scale, scale * 0.5 + 0.25])
+    grad = jax.grad(lambda x, s, b: jnp.sum(f(x, s, b) ** 2), argnums=(0, 1, 2))
+    got = jax.jit(jax.vmap(jax.vmap(grad, in_axes=(1, None, None)), in_axes=(0, 0, None)))(x, scales, bias)
+    want = [[grad(x[i, :, j], scales[i], bias) for j in range(3)] for i in range(2)]
+    for k in range(3):
+        _tree_assert_close(got[k], jnp.stack([jnp.stack([w[j][k] for j in range(3)]) for w in want]),
+                           rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- edges ---
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)], ids=["0x16", "2x0x16"])
+@pytest.mark.parametrize("op", OPS)
+def test_empty_rows(op, shape, dtype, impl):
+    need(impl)
+    x, scale, bias, dy = make_inputs(1, shape, dtype, dtype, None if op == "rms_norm" else "float32")
+    if bias is not None:
+        bias = bias.astype(dtype)
+    y, (dx, dscale, dbias) = fwd_bwd_fn(op, impl)(x, scale, bias, dy)
+    assert y.shape == shape and y.dtype == x.dtype
+    assert dx.shape == shape and dx.dtype == x.dtype
+    assert dscale.shape == (16,) and dscale.dtype == scale.dtype
+    np.testing.assert_array_equal(f64(dscale), np.zeros(16))
+    if bias is not None:
+        assert dbias.shape == (16,) and dbias.dtype == bias.dtype
+        np.testing.assert_array_equal(f64(dbias), np.zeros(16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_rank1_and_one_row(op, impl):
+    need(impl)
+    x, scale, bias, dy = make_inputs(seed_of("rank1" + op), (300,), "float32", "float32",
+                                     None if op == "rms_norm" else "float32")
+    run = fwd_bwd_fn(op, impl)
+    y1, g1 = run(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y1, g1)
+    y2, g2 = run(x[None], scale, bias, dy[None])
+    check_against_reference(op, x[None], scale, bias, dy[None], y2, g2)
+    np.testing.assert_allclose(f64(y2[0]), f64(y1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f64(g2[0][0]), f64(g1[0]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cols", [33, 1025, 10000])
+@pytest.mark.parametrize("op", OPS)
+def test_nan_row_is_isolated(op, cols, dtype, impl):
+    """A NaN in row 1 makes row 1 all NaN and leaves rows 0 and 2 exactly as without it."""
+    need(impl)
+    x, scale, bias, dy = make_inputs(seed_of(f"nan{op}{cols}{dtype}"), (3, cols), dtype, "float32",
+                                     None if op == "rms_norm" else "float32")
+    x_nan = x.at[1, cols // 2].set(jnp.nan)
+    run = fwd_bwd_fn(op, impl)
+    y, (dx, _, dbias) = run(x_nan, scale, bias, dy)
+    y_ok, grads_ok = run(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y_ok, grads_ok)
+    dx_ok, _, dbias_ok = grads_ok
+    for got, ok, name in ((y, y_ok, "y"), (dx, dx_ok, "dx")):
+        got, ok = np.asarray(got), np.asarray(ok)
+        assert np.isnan(f64(got[1])).all(), f"{name} row 1 should be all NaN"
+        for r in (0, 2):
+            assert bitwise_equal(got[r], ok[r]), f"{name} row {r} changed by a NaN in row 1"
+    if bias is not None:  # dbias = sum(dy) does not depend on x at all
+        assert bitwise_equal(dbias, dbias_ok)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_cuda_implementation_is_deterministic(impl):
+    if impl != "cuda":
+        pytest.skip("determinism is a promise of the hand kernels only")
+    need(impl)
+    for op in OPS:
+        for shape, dtype in (((2048, 1024), "float32"), ((64, 1025), "bfloat16"), ((8, 10000), "float32")):
+            x, scale, bias, dy = make_inputs(seed_of(f"det{op}{shape}"), shape, dtype, "float32",
+                                             None if op == "rms_norm" else "float32")
+            first = fwd_bwd_fn(op, impl)(x, scale, bias, dy)
+            second = fwd_bwd_fn(op, impl)(x, scale, bias, dy)  # a fresh jit
+            again = fwd_bwd_fn(op, impl)(x, scale, bias, dy)
+            leaves = [jax.tree.leaves(r) for r in (first, second, again)]
+            assert len(leaves[0]) == (4 if op == "layer_norm" else 3)
+            for a, b, c in zip(*leaves):
+                assert bitwise_equal(a, b) and bitwise_equal(a, c), f"{op}{shape}: runs differ"
+
+
+# ------------------------------------------------------------------ errors ---
+
+def _err_call(op, x, scale=None, bias=None, **kw):
+    if op == "layer_norm":
+        return jax_ops.layer_norm(x, scale, bias, **kw)
+    assert bias is None
+    return jax_ops.rms_norm(x, scale, **kw)
+
+
+f32 = jnp.float32
+ERROR_CASES = [  # id, ops, x, scale, bias, kwargs, exception, message regex
+    ("x_int32", OPS, jnp.ones((2, 8), jnp.int32), None, None, {}, TypeError, r"\bx\b.*int32"),
+    ("x_scalar", OPS, jnp.float32(1.0), None, None, {}, ValueError, r"\bx\b.*at least 1 dim.*shape \(\)"),
+    ("x_zero_cols", OPS, jnp.ones((3, 0), f32), None, None, {}, ValueError, r"\bx\b.*last axis.*\(3, 0\)"),
+    ("scale_shape", OPS, jnp.ones((2, 8), f32), jnp.ones((7,), f32), None, {}, ValueError,
+     r"\bscale\b.*\(8,\).*\(7,\)"),
+    ("scale_rank2", OPS, jnp.ones((2, 8), f32), jnp.ones((1, 8), f32), None, {}, ValueError,
+     r"\bscale\b.*\(8,\).*\(1, 8\)"),
+    ("bias_shape", ("layer_norm",), jnp.ones((2, 8), f32), None, jnp.ones((9,), f32), {}, ValueError,
+     r"\bbias\b.*\(8,\).*\(9,\)"),
+    ("scale_int", OPS, jnp.ones((2, 8), f32), jnp.ones((8,), jnp.int32), None, {}, TypeError,
+     r"\bscale\b.*float32.*int32"),
+    ("scale_f16_x_bf16", OPS, jnp.ones((2, 8), jnp.bfloat16), jnp.ones((8,), jnp.float16), None, {},
+     TypeError, r"\bscale\b.*bfloat16.*float16"),
+    ("bias_f16_x_bf16", ("layer_norm",), jnp.ones((2, 8), jnp.bfloat16), None,
+     jnp.ones((8,), jnp.float16), {}, TypeError, r"\bbias\b.*bfloat16.*float16"),
+    ("scale_bias_mismatch", ("layer_norm",), jnp.ones((2, 8), jnp.bfloat16), jnp.ones((8,), f32),
+     jnp.ones((8,), jnp.bfloat16), {}, TypeError, r"\bscale\b.*\bbias\b.*float32.*bfloat16"),
+    ("epsilon_negative", OPS, jnp.ones((2, 8), f32), None, None, {"epsilon": -1e-5}, ValueError,
+     r"\bepsilon\b.*-1e-05"),
+    ("epsilon_nan", OPS, jnp.ones((2, 8), f32), None, None, {"epsilon": float("nan")}, ValueError,
+     r"\bepsilon\b.*nan"),
+    ("epsilon_string", OPS, jnp.ones((2, 8), f32), None, None, {"epsilon": "1e-5"}, TypeError,
+     r"\bepsilon\b.*str"),
+    ("implementation_unknown", OPS, jnp.ones((2, 8), f32), None, None, {"implementation": "triton"},
+     ValueError, r"\bimplementation\b.*'triton'.*\['xla', 'cuda'\]"),
+    ("implementation_case", OPS, jnp.ones((2, 8), f32), None, None, {"implementation": "CUDA"},
+     ValueError, r"\bimplementation\b.*'CUDA'"),
+]
+
+
+def _error_params():
+    return [pytest.param(op, *c[2:], id=f"{op}-{c[0]}") for c in ERROR_CASES for op in c[1]]
+
+
+@pytest.mark.parametrize("op,x,scale,bias,kw,exc,match", _error_params())
+def test_invalid_arguments_raise(op, x, scale, bias, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _err_call(op, x, scale, bias, **kw)
+
+
+@pytest.mark.parametrize("op,x,scale,bias,kw,exc,match", _error_params())
+def test_invalid_arguments_raise_while_tracing(op, x, scale, bias, kw, exc, match):
+    """Under jit the error comes from tracing abstract values: before any kernel runs."""
+    def f(x, scale, bias):
+        return _err_call(op, x, scale, bias, **kw)
+    specs = [None if a is None else jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+             for a in (x, scale, bias)]
+    with pytest.raises(exc, match=match):
+        jax.jit(f).trace(*specs)
+    with pytest.raises(exc, match=match):
+        jax.jit(f)(x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float64_x_rejected(op):
+    with jax.enable_x64(True):
+        x = jnp.asarray(np.ones((2, 8)), jnp.float64)
+        assert x.dtype == jnp.float64
+        with pytest.raises(TypeError, match=r"\bx\b.*float64"):
+            _err_call(op, x)
+        with pytest.raises(TypeError, match=r"\bscale\b.*float64"):
+            _err_call(op, jnp.ones((2, 8), f32), jnp.ones((8,), jnp.float64))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_unavailable_implementation_lists_available(op):
+    """"cuda" on a platform that has no kernel for it: ValueError at lowering naming the
+    platform and the implementations available there."""
+    platform = next(p for p in ("tpu", "rocm") if not _extension.has_target(p, FWD_TARGET))
+    with pytest.raises(ValueError, match=rf"implementation='cuda'.*'{platform}'.*\['xla'\]"):
+        dispatch.choose(op, "cuda", platform, FWD_TARGET)
+    f = jax.jit(lambda x: _err_call(op, x, implementation="cuda"))
+    with pytest.raises(ValueError, match=rf"implementation='cuda'.*'{platform}'.*\['xla'\]"):
+        jax.export.export(f, platforms=(platform,))(jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    # "xla" lowers for that platform all the same.
+    g = jax.jit(lambda x: _err_call(op, x, implementation="xla"))
+    assert jax.export.export(g, platforms=(platform,))(jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    if "cuda" not in AVAILABLE:  # also through the public API on this very platform
+        with pytest.raises(ValueError, match=r"implementation='cuda'.*available there: \['xla'\]"):
+            _err_call(op, jnp.ones((2, 8), f32), implementation="cuda")
