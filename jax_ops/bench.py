@@ -34,11 +34,14 @@ we count
                                   forward also writes the stats and x is read twice.
 
 Timing. Each measured call processes K distinct input sets (one jitted function, a
-Python loop inside jit, so one launch chain per set) and its time is divided by K.
+Python loop inside jit; an optimization barrier chains each set to the previous one's
+outputs, so XLA can neither merge the sets' kernels horizontally nor overlap them:
+each set gets its own kernels) and its time is divided by K.
 K is chosen so that K * min_bytes >= --footprint-mb (default 512 MB on GPU, well
 above the 50-60 MB L2; 32 MB on CPU), K >= 2, and K * min_bytes <= --max-mem-gb.
   GPU: CUPTI kernel time of one call, jax.experimental.mosaic.gpu.profiler.measure
-       (which does its own warm-up call); the sum over all kernels of the call.
+       (which does its own warm-up call): the sum of the durations of all GPU
+       kernels launched by the call.
   CPU: wall clock of one call after a warm-up call, with block_until_ready.
 Repeated --repeats times; reported: median per-set time, and min/max (the spread).
 
@@ -53,10 +56,12 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import importlib.util
+import functools
+import gc
 import json
 import math
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -66,7 +71,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_ops  # registers the FFI targets, jax_ops_device_copy included
 
@@ -76,6 +80,7 @@ MODES = ("fwd", "fwd_bwd", "bwd")
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 EPSILON = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # jax_ops' defaults, used by every impl
 MB, GB = 1 << 20, 1 << 30
+COPY_WIDTH = 256  # words per row of the copy arrays (1 KiB)
 
 GPU_DEFAULTS = dict(rows=49152, cols=(32, 64, 128, 256, 512, 768, 1024, 2048, 4096, 8192,
                                       16384, 32768), footprint_mb=512)
@@ -106,6 +111,7 @@ class Record:
     baseline: str | None = None
     vs_baseline: float | None = None   # baseline time_us / time_us
     max_rel_err: float | None = None   # vs "xla", with --check
+    check_error: str | None = None     # why --check could not compare this impl
     error: str | None = None
     times_us: list[float] = dataclasses.field(default_factory=list)
 
@@ -127,8 +133,13 @@ def min_bytes(op: str, mode: str, rows: int, cols: int, itemsize: int) -> int:
     return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + s + bwd}[mode]
 
 
+@functools.cache
 def flax_available() -> bool:
-    return importlib.util.find_spec("flax") is not None
+    try:
+        import flax.linen  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing or broken: either way not usable
+        return False
+    return True
 
 
 def _jnp_norm(op: str, eps: float) -> Callable:
@@ -196,8 +207,20 @@ def mode_args(fn: Callable, mode: str, sets: Sequence[tuple]) -> list[tuple]:
 
 
 def batched(one: Callable) -> Callable:
-    """One jitted call that applies `one` to every set: a Python loop, K launch chains."""
-    return jax.jit(lambda sets: [one(*s) for s in sets])
+    """One jitted call that applies `one` to every set in turn (a Python loop in jit).
+
+    An optimization barrier makes each set wait for the previous set's outputs, so
+    XLA can neither fuse the K independent computations horizontally into fewer
+    kernels nor run them concurrently: each set gets its own kernels, as alone.
+    """
+    def run(sets):
+        outs = []
+        for s in sets:
+            if outs:
+                s, _ = jax.lax.optimization_barrier((s, outs[-1]))
+            outs.append(one(*s))
+        return outs
+    return jax.jit(run)
 
 
 # ---------------------------------------------------------------- inputs ----
@@ -260,14 +283,16 @@ TIMERS = {"wall": wall_timer, "cupti": cupti_timer}
 
 # ---------------------------------------------------------------- checks ----
 
+@jax.jit
+def _rel_err(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30)
+
+
 def rel_err(a, b) -> float:
-    """max|a - b| / max|b| over the leaves of two output pytrees (b the reference)."""
-    worst = 0.0
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        scale = max(float(np.max(np.abs(y), initial=0.0)), 1e-30)
-        worst = max(worst, float(np.max(np.abs(x - y), initial=0.0)) / scale)
-    return worst
+    """max|a - b| / max|b|, the worst over the leaves of two output pytrees (b: reference)."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return max((float(_rel_err(x, y)) for x, y in pairs if y.size), default=0.0)
 
 
 def check(op: str, mode: str, dtype, impls: Sequence[str], first_set: tuple) -> dict:
@@ -275,11 +300,16 @@ def check(op: str, mode: str, dtype, impls: Sequence[str], first_set: tuple) -> 
     def outputs(impl):
         fn = make_op(op, impl, dtype)
         (args,) = mode_args(fn, mode, [first_set])
-        return jax.device_get(jax.jit(per_set_fn(fn, mode))(*args))
+        return jax.jit(per_set_fn(fn, mode))(*args)
 
-    ref = outputs("xla")
+    try:
+        ref = outputs("xla")
+    except Exception as e:  # noqa: BLE001
+        return {impl: f"the xla reference failed: {short_error(e)}" for impl in impls}
     errs = {}
     for impl in impls:
+        if impl == "xla":
+            continue
         try:
             errs[impl] = rel_err(outputs(impl), ref)
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
@@ -306,10 +336,12 @@ def summarize(rec: Record, call_times: list[float]) -> None:
 def measure_copy(base: dict, timer: Callable, repeats: int, seed: int) -> Record:
     """The copy ceiling: K arrays of ~min_bytes/2 bytes, copied in one call."""
     rec = Record(impl="copy", **base)
-    words = max(4, round(base["min_bytes"] / 8))  # uint32: 4 B read + 4 B written each
+    # uint32 words, each 4 B read + 4 B written; 2D to keep every dimension small.
+    shape = (max(1, round(base["min_bytes"] / (8 * COPY_WIDTH))), COPY_WIDTH)
+    words = shape[0] * shape[1]
     try:
         key = jax.random.key(seed + 1)
-        arrays = [jax.random.bits(jax.random.fold_in(key, i), (words,), jnp.uint32)
+        arrays = [jax.random.bits(jax.random.fold_in(key, i), shape, jnp.uint32)
                   for i in range(rec.k_sets)]
         call_times = timer(batched(device_copy), [(a,) for a in arrays], repeats)
         del arrays
@@ -382,12 +414,15 @@ def bench_shape(cfg, op: str, dtype_name: str, cols: int, timer: Callable) -> li
             group.append(measure_impl(base, op, mode, dtype, impl, sets[:k], timer, cfg.repeats))
             if isinstance(errs.get(impl), float):
                 group[-1].max_rel_err = errs[impl]
+            elif impl in errs:
+                group[-1].check_error = errs[impl]
         fill_ratios(group, cfg.baseline)
         log(f"{op} {mode} {dtype_name} rows={cfg.rows} cols={cols} K={k}: " + ", ".join(
             f"{r.impl} {r.time_us:.1f}us" if r.time_us is not None else f"{r.impl} ERROR"
             for r in group))
         records += group
     del sets
+    gc.collect()  # tracebacks of recorded errors may hold frames with big arrays
     return records
 
 
@@ -401,62 +436,85 @@ def _fmt(v, spec: str, width: int) -> str:
     return (format(v, spec) if v is not None else "-").rjust(width)
 
 
+FIELDS = (("us", 9), ("GB/s", 7), ("%copy", 6), ("vs", 7), ("+-%", 5))  # per impl
+GROUP_W = sum(w for _, w in FIELDS) + len(FIELDS) - 1
+
+
+def _impl_cells(r: Record | None) -> str:
+    if r is None or r.time_us is None:
+        return f"{'ERROR':>{GROUP_W}}"
+    spread = 100 * (r.time_us_max - r.time_us_min) / r.time_us
+    frac = None if r.frac_of_copy is None else 100 * r.frac_of_copy
+    values = (r.time_us, r.gbps, frac, r.vs_baseline, spread)
+    specs = (".1f", ".1f", ".0f", ".2f", ".0f")
+    return " ".join(_fmt(v, spec, w) for v, spec, (_, w) in zip(values, specs, FIELDS))
+
+
+def _notes(cols: int, by_impl: dict[str, Record]) -> list[str]:
+    """Errors (first line) and --check results under a table."""
+    recs = by_impl.values()
+    notes = [f"  cols={cols} {r.impl}: {r.error.splitlines()[0]}" for r in recs if r.error]
+    notes += [f"  cols={cols} {r.impl}: check failed: {r.check_error.splitlines()[0]}"
+              for r in recs if r.check_error]
+    checked = [f"{r.impl} {r.max_rel_err:.2e}" for r in recs if r.max_rel_err is not None]
+    if checked:
+        notes.append(f"  cols={cols} max rel err vs xla: " + ", ".join(checked))
+    return notes
+
+
+def format_table(recs: list[Record], impls: Sequence[str], baseline: str | None,
+                 meta: dict) -> list[str]:
+    """The table of one (op, mode, dtype): a row per cols, a column group per impl."""
+    r0 = recs[0]
+    names = [f"x{baseline}" if name == "vs" and baseline else name for name, _ in FIELDS]
+    head1 = f"{'':>6} {'':>4} | {'copy':^15}"
+    head2 = f"{'cols':>6} {'K':>4} | {'us':>9} {'GB/s':>5}"
+    for impl in impls:
+        head1 += f" | {impl:^{GROUP_W}}"
+        head2 += " | " + " ".join(f"{n:>{w}}" for n, (_, w) in zip(names, FIELDS))
+    lines = ["", f"{r0.op} {r0.mode} {r0.dtype}, rows={r0.rows} | {meta['device_kind']} | "
+                 f"{meta['timer']} time per call, median of {meta['repeats']}",
+             head1, head2, "-" * len(head2)]
+    notes = []
+    for cols in dict.fromkeys(r.cols for r in recs):
+        by_impl = {r.impl: r for r in recs if r.cols == cols}
+        copy = by_impl.get("copy")
+        line = f"{cols:>6} {next(iter(by_impl.values())).k_sets:>4} | "
+        line += (f"{_fmt(copy.time_us, '.1f', 9)} {_fmt(copy.gbps, '.0f', 5)}"
+                 if copy and copy.time_us is not None else f"{'ERROR':>15}")
+        lines.append(line + "".join(f" | {_impl_cells(by_impl.get(i))}" for i in impls))
+        notes += _notes(cols, by_impl)
+    return lines + notes
+
+
 def format_tables(records: list[Record], impls: Sequence[str], baseline: str | None,
                   meta: dict) -> str:
-    """One table per (op, mode, dtype): a row per cols, a column group per impl."""
+    """One table per (op, mode, dtype), then a legend."""
     lines = []
-    groups = list(dict.fromkeys((r.op, r.mode, r.dtype) for r in records))
-    vs = f"x{baseline}" if baseline else "vs"
-    fields = [("us", 9), ("GB/s", 7), ("%copy", 6), (vs, 7), ("+-%", 5)]
-    for op, mode, dtype in groups:
-        recs = [r for r in records if (r.op, r.mode, r.dtype) == (op, mode, dtype)]
-        rows = recs[0].rows
-        lines.append("")
-        lines.append(f"{op} {mode} {dtype}, rows={rows} | {meta['device_kind']} | "
-                     f"{meta['timer']} time per call, median of {meta['repeats']}")
-        group_w = sum(w for _, w in fields) + len(fields) - 1
-        head1 = f"{'':>6} {'':>4} | {'copy':^15}"
-        head2 = f"{'cols':>6} {'K':>4} | {'us':>9} {'GB/s':>5}"
-        for impl in impls:
-            head1 += f" | {impl:^{group_w}}"
-            head2 += " | " + " ".join(f"{name:>{w}}" for name, w in fields)
-        lines += [head1, head2, "-" * len(head2)]
-        errors = []
-        for cols in dict.fromkeys(r.cols for r in recs):
-            by_impl = {r.impl: r for r in recs if r.cols == cols}
-            copy = by_impl.get("copy")
-            k = next(iter(by_impl.values())).k_sets
-            line = f"{cols:>6} {k:>4} | "
-            line += (f"{_fmt(copy.time_us, '.1f', 9)} {_fmt(copy.gbps, '.0f', 5)}"
-                     if copy and copy.time_us is not None else f"{'ERROR':>15}")
-            for impl in impls:
-                r = by_impl.get(impl)
-                if r is None or r.time_us is None:
-                    line += f" | {'ERROR':>{group_w}}"
-                    continue
-                spread = 100 * (r.time_us_max - r.time_us_min) / r.time_us
-                line += " | " + " ".join([
-                    _fmt(r.time_us, ".1f", 9), _fmt(r.gbps, ".1f", 7),
-                    _fmt(None if r.frac_of_copy is None else 100 * r.frac_of_copy, ".0f", 6),
-                    _fmt(r.vs_baseline, ".2f", 7), _fmt(spread, ".0f", 5)])
-            lines.append(line)
-            errors += [f"  cols={cols} {r.impl}: {r.error}" for r in by_impl.values() if r.error]
-            errors += [f"  cols={cols} {r.impl}: max rel err vs xla {r.max_rel_err:.2e}"
-                       for r in by_impl.values() if r.max_rel_err is not None]
-        lines += errors
-    lines.append("")
-    lines.append("us: per call (one input set); GB/s: minimum bytes / time; %copy: copy time / "
-                 f"time; {vs}: {baseline or 'baseline'} time / time; +-%: (max-min)/median.")
+    for key in dict.fromkeys((r.op, r.mode, r.dtype) for r in records):
+        recs = [r for r in records if (r.op, r.mode, r.dtype) == key]
+        lines += format_table(recs, impls, baseline, meta)
+    vs = f"x{baseline}: {baseline}" if baseline else "vs: baseline"
+    lines += ["", "us: per call (one input set), median; GB/s: minimum bytes / time; "
+                  f"%copy: copy time / time; {vs} time / time; +-%: (max - min) / median."]
     return "\n".join(lines)
 
 
-def git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """HEAD's commit, with "+dirty" when tracked files differ from it; None outside git."""
+    commit = _git("rev-parse", "HEAD")
+    if commit and _git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return commit
 
 
 def metadata(cfg, argv: Sequence[str]) -> dict:
@@ -467,7 +525,7 @@ def metadata(cfg, argv: Sequence[str]) -> dict:
         "device_kind": dev.device_kind,
         "platform": dev.platform,
         "git_commit": git_commit(),
-        "command": " ".join([sys.argv[0] or "jax_ops.bench", *argv]),
+        "command": shlex.join(["python", "-m", "jax_ops.bench", *argv]),
         "python": sys.version.split()[0],
         "flax_version": _flax_version(),
         "timer": cfg.timer,
