@@ -38,8 +38,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
 
 # ||out - ref|| / ||ref||, and max|out - ref| / max|ref|, per x dtype.
-TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
-ELEM_TOL = {"float32": 5e-5, "bfloat16": 1e-2, "float16": 1e-2}
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2.5e-3}
+ELEM_TOL = {"float32": 2e-5, "bfloat16": 1e-2, "float16": 2.5e-3}
 HEAVY_COLS = 65536
 TOL_HEAVY_F32 = 2e-5
 
@@ -281,7 +281,11 @@ def test_reference_backward_matches_finite_differences(op):
 def test_matches_reference(case, impl):
     need(impl)
     x, scale, bias, dy = case.inputs()
-    y, grads = fwd_bwd_fn(case.op, impl)(x, scale, bias, dy)
+    run = fwd_bwd_fn(case.op, impl)
+    # Poison: a NaN run first, so buffers the allocator hands out again hold NaN where
+    # a kernel forgot to write (the finite/element checks below then fail).
+    jax.block_until_ready(run(jnp.full_like(x, jnp.nan), scale, bias, jnp.full_like(dy, jnp.nan)))
+    y, grads = run(x, scale, bias, dy)
     tol = TOL_HEAVY_F32 if (case.dtype == "float32" and case.shape[-1] == HEAVY_COLS) else None
     check_against_reference(case.op, x, scale, bias, dy, y, grads, tol=tol)
 
@@ -303,7 +307,8 @@ def test_lowering_uses_the_chosen_implementation(op, impl):
 @pytest.mark.parametrize("op", OPS)
 def test_implementation_none_is_the_automatic_choice(op, dtype):
     chosen = dispatch.choose(op, None, PLATFORM, FWD_TARGET)
-    assert chosen in AVAILABLE
+    # The documented rule: our kernels on CUDA GPUs, XLA everywhere else.
+    assert chosen == ("cuda" if PLATFORM == "cuda" and "cuda" in AVAILABLE else "xla")
     x, scale, bias, dy = make_inputs(seed_of("auto" + op + dtype), (5, 129), dtype, "float32",
                                      "float32" if op == "layer_norm" else None)
     y, grads = fwd_bwd_fn(op, None)(x, scale, bias, dy)
@@ -329,7 +334,7 @@ def test_epsilon_is_honoured(op, epsilon, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", OPS)
 def test_large_mean_offset_is_stable(op, impl):
-    """|mean| >> std: a one-pass E[x^2] - E[x]^2 variance in float32 loses ~1e-2 here."""
+    """|mean| >> std: a one-pass E[x^2] - E[x]^2 float32 variance errs by ~5e-3 here."""
     need(impl)
     x, scale, bias, dy = make_inputs(seed_of("offset" + op), (8, 1000), "float32", "float32",
                                      "float32" if op == "layer_norm" else None, offset=300.0, spread=1.0)
@@ -353,25 +358,26 @@ def test_primitives_with_stats(op, dtype, impl):
     none = jnp.zeros((0,), jnp.float32)
     bias_arg = none if bias is None else bias
     y, mean, rstd = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=True,
-                                    implementation=impl)
+                                    implementation=impl)[:3]
     rmean, rrstd = ref_stats(x, eps, rms)
     assert rstd.dtype == jnp.float32 and rstd.shape == (2, 3)
-    assert_close("rstd", rstd, rrstd, tol=1e-5, elem_tol=5e-5)
+    assert_close("rstd", rstd, rrstd, tol=1e-5, elem_tol=2e-5)
     if rms:
         assert mean.shape == (0,)
     else:
         assert mean.dtype == jnp.float32 and mean.shape == (2, 3)
-        assert_close("mean", mean, rmean, tol=1e-5, elem_tol=5e-5)
+        assert_close("mean", mean, rmean, tol=1e-5, elem_tol=2e-5)
     assert_close("y", y, ref_forward(x, scale, bias, eps, rms), tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
 
     y2, m2, r2 = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=False,
-                                 implementation=impl)
+                                 implementation=impl)[:3]
     assert m2.shape == (0,) and r2.shape == (0,)
     assert bitwise_equal(y, y2), "with_stats must not change y"
 
+    # (dx, dscale, dbias) lead the backward's results; anything after them is internal.
     dx, dscale, dbias = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
                                         dbias_dtype=None if bias is None else bias.dtype,
-                                        implementation=impl)
+                                        implementation=impl)[:3]
     rdx, rds, rdb, dx_scale = ref_backward(dy, x, scale, eps, rms)
     assert_close("dx", dx, rdx, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype], scale=dx_scale)
     assert_close("dscale", dscale, rds, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
@@ -416,9 +422,9 @@ def test_value_and_grad_under_jit(op, impl):
     ref_val = np.sum(ref_forward(x, scale, ref_bias, eps, rms) * f64(w))
     np.testing.assert_allclose(float(val), ref_val, rtol=1e-5, atol=1e-4)
     rdx, rds, rdb, dx_scale = ref_backward(w, x, scale, eps, rms)
-    assert_close("dx", dx, rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
-    assert_close("dscale", ds, rds, tol=1e-5, elem_tol=5e-5)
-    assert_close("dbias", db, np.zeros(40) if rms else rdb, tol=1e-5, elem_tol=5e-5)
+    assert_close("dx", dx, rdx, tol=1e-5, elem_tol=2e-5, scale=dx_scale)
+    assert_close("dscale", ds, rds, tol=1e-5, elem_tol=2e-5)
+    assert_close("dbias", db, np.zeros(40) if rms else rdb, tol=1e-5, elem_tol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -444,10 +450,10 @@ def test_checkpoint_inside_grad(op, impl):
     h = ref_forward(x, scale, None if rms else bias, eps, rms)
     dh = 2.0 * (1.0 - np.tanh(h) ** 2) * f64(w)
     rdx, rds, rdb, dx_scale = ref_backward(dh, x, scale, eps, rms)
-    assert_close("dx", f64(g_remat[0]) - f64(w), rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
-    assert_close("dscale", g_remat[1], rds, tol=1e-5, elem_tol=5e-5)
+    assert_close("dx", f64(g_remat[0]) - f64(w), rdx, tol=1e-5, elem_tol=2e-5, scale=dx_scale)
+    assert_close("dscale", g_remat[1], rds, tol=1e-5, elem_tol=2e-5)
     if not rms:
-        assert_close("dbias", g_remat[2], rdb, tol=1e-5, elem_tol=5e-5)
+        assert_close("dbias", g_remat[2], rdb, tol=1e-5, elem_tol=2e-5)
     # The forward is recomputed inside the rematerialized backward, not saved.
     jaxpr = str(jax.make_jaxpr(jax.grad(loss(jax.checkpoint(body))))(x, scale, bias))
     assert "remat" in jaxpr and jaxpr.count("jax_ops_norm_fwd") == 2, jaxpr
@@ -464,12 +470,12 @@ def test_donated_input(op, impl):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
         y = jax.jit(lambda x: norm(op, x, scale, bias, impl=impl), donate_argnums=0)(x)
-        assert_close("y", y, ref_forward(x_host, scale, bias, eps, rms), tol=1e-5, elem_tol=5e-5)
+        assert_close("y", y, ref_forward(x_host, scale, bias, eps, rms), tol=1e-5, elem_tol=2e-5)
         x2 = jnp.asarray(x_host)
         loss = lambda x: jnp.sum(norm(op, x, scale, bias, impl=impl) * w)  # noqa: E731
         dx = jax.jit(jax.grad(loss), donate_argnums=0)(x2)
     rdx, _, _, dx_scale = ref_backward(w, x_host, scale, eps, rms)
-    assert_close("dx", dx, rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
+    assert_close("dx", dx, rdx, tol=1e-5, elem_tol=2e-5, scale=dx_scale)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -545,7 +551,7 @@ def test_vmap_matches_loop(vid, shape, axes, batch, op, impl):
     for i in range(batch):
         xi, si, bi = (_take(a, ax, i) for a, ax in zip((x, scale, bias), axes))
         assert_close(f"y[{i}]", want[i], ref_forward(xi, si, None if rms else bi, eps, rms),
-                     tol=1e-5, elem_tol=5e-5)
+                     tol=1e-5, elem_tol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -568,10 +574,10 @@ def test_vmap_of_grad_matches_loop(vid, shape, axes, batch, op, impl):
     for i in range(batch):
         xi, si = _take(x, axes[0], i), _take(scale, axes[1], i)
         rdx, rds, rdb, dx_scale = ref_backward(w, xi, si, eps, rms)
-        assert_close(f"dx[{i}]", want[0][i], rdx, tol=1e-5, elem_tol=5e-5, scale=dx_scale)
-        assert_close(f"dscale[{i}]", want[1][i], rds, tol=1e-5, elem_tol=5e-5)
+        assert_close(f"dx[{i}]", want[0][i], rdx, tol=1e-5, elem_tol=2e-5, scale=dx_scale)
+        assert_close(f"dscale[{i}]", want[1][i], rds, tol=1e-5, elem_tol=2e-5)
         if not rms:
-            assert_close(f"dbias[{i}]", want[2][i], rdb, tol=1e-5, elem_tol=5e-5)
+            assert_close(f"dbias[{i}]", want[2][i], rdb, tol=1e-5, elem_tol=2e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -594,6 +600,23 @@ def test_nested_vmap(op, impl):
     for k in range(3):
         _tree_assert_close(got[k], jnp.stack([jnp.stack([w[j][k] for j in range(3)]) for w in want]),
                            rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("example_shape", [(8,), (3, 8)], ids=["rank1", "rank2"])
+def test_vmap_over_empty_batch(example_shape, op, impl):
+    """vmap over a batch of size 0: empty outputs and empty per-example gradients."""
+    need(impl)
+    x = jnp.zeros((0,) + example_shape, jnp.float32)
+    scale, bias = jnp.ones(8, jnp.float32), jnp.zeros(8, jnp.float32)
+    f = _ln_or_rms(op, impl)
+    y = jax.vmap(f, in_axes=(0, None, None))(x, scale, bias)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    grad = jax.grad(lambda x, s, b: jnp.sum(f(x, s, b) ** 2), argnums=(0, 1, 2))
+    dx, ds, db = jax.vmap(grad, in_axes=(0, None, None))(x, scale, bias)
+    assert dx.shape == x.shape
+    assert ds.shape == (0, 8) and db.shape == (0, 8)
 
 
 # ------------------------------------------------------------------- edges ---
@@ -656,10 +679,9 @@ def test_nan_row_is_isolated(op, cols, dtype, impl):
         assert bitwise_equal(dbias, dbias_ok)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_cuda_implementation_is_deterministic(impl):
-    if impl != "cuda":
-        pytest.skip("determinism is a promise of the hand kernels only")
+def test_cuda_implementation_is_deterministic():
+    """The hand kernels promise bitwise-reproducible results (no atomics), dscale/dbias included."""
+    impl = "cuda"
     need(impl)
     for op in OPS:
         for shape, dtype in (((2048, 1024), "float32"), ((64, 1025), "bfloat16"), ((8, 10000), "float32")):
@@ -676,11 +698,8 @@ def test_cuda_implementation_is_deterministic(impl):
 
 # ------------------------------------------------------------------ errors ---
 
-def _err_call(op, x, scale=None, bias=None, **kw):
-    if op == "layer_norm":
-        return jax_ops.layer_norm(x, scale, bias, **kw)
-    assert bias is None
-    return jax_ops.rms_norm(x, scale, **kw)
+def _err_call(op, x, scale=None, bias=None, *, implementation=None, epsilon=None):
+    return norm(op, x, scale, bias, impl=implementation, epsilon=epsilon)
 
 
 f32 = jnp.float32
