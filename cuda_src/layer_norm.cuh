@@ -2,9 +2,9 @@
 //
 // Rows are the flattened leading axes, normalization runs over the last axis.
 // Forward tiers, by row length (cols):
-//   cols <= 1024 : a group of WIDTH lanes (1..32) per row, row held in registers;
+//   row <= 8 KiB : a group of WIDTH lanes (1..32) per row, row held in registers;
 //                  groups narrower than a warp take two rows at a time.
-//   cols  > 1024 : a block per row, row cached in shared memory, or read twice
+//   longer rows  : a block per row, row cached in shared memory, or read twice
 //                  from global memory when shared memory cannot hold it.
 // Backward tiers:
 //   cols <= 1024 : group per row, x and dy in registers, per-column dscale/dbias
@@ -23,7 +23,13 @@
 namespace jax_ops::norm {
 
 constexpr int kRegsThreads = 128;
+// Forward keeps a row of up to 8 KiB in registers (4096 16-bit or 2048 float32
+// values; 1024 when unvectorized); the backward, which also holds dy and the
+// dscale/dbias partials, up to 1024 values.
+constexpr int kFwdRegsMaxBytes = 8192;
 constexpr int kRegsMaxCols = 1024;
+template <typename T, int PACK>
+constexpr int64_t fwd_regs_max_cols() { return PACK == 1 ? kRegsMaxCols : kFwdRegsMaxBytes / int(sizeof(T)); }
 // Block-per-row backward keeps 8 elements of x, dy and partials per thread at most
 // (about 64 registers at 1024 threads), so rows up to 8192 elements.
 constexpr int kBlockRegsMaxCols = 8192;
@@ -93,7 +99,8 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
 __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
-  constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
   const T* x = static_cast<const T*>(a.x);
@@ -101,7 +108,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
   // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
   for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
        tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
-    float buf[ROWS][N];
+    PackT raw[ROWS][VPT];  // the row stays in registers in its storage type
     NormAcc acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -109,17 +116,21 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        float f[PACK];
+        if (row < a.rows && col < a.cols) raw[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (row < a.rows && col < a.cols) {
-          load_pack<T, PACK>(x + row * a.cols + col, f);
+          float f[PACK];
 #pragma unroll
-          for (int k = 0; k < PACK; ++k) acc[r].add(f[k], a.rms);
-        } else {
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) f[k] = 0.f;
+          for (int k = 0; k < PACK; ++k) f[k] = to_float(raw[r][v].v[k]);
+          acc[r].add_pack(f, a.rms);
         }
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) buf[r][v * PACK + k] = f[k];
       }
     }
 #pragma unroll
@@ -135,7 +146,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
         load_param<P, PACK>(a.scale, col, 1.f, sc);
         load_param<P, PACK>(a.bias, col, 0.f, bi);
 #pragma unroll
-        for (int k = 0; k < PACK; ++k) out[k] = norm_out(buf[r][v * PACK + k], st, sc[k], bi[k]);
+        for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(raw[r][v].v[k]), st, sc[k], bi[k]);
         store_pack<T, PACK>(y + row * a.cols + col, out);
       }
       if (glane == 0 && a.rstd != nullptr) {
@@ -157,13 +168,17 @@ __global__ void fwd_block_kernel(FwdArgs a) {
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const PackT* xr = x + row * nvec;
     NormAcc acc;
+#pragma unroll 4
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       const PackT pk = xr[v];
       if (CACHE) cache[v] = pk;
+      float f[PACK];
 #pragma unroll
-      for (int k = 0; k < PACK; ++k) acc.add(to_float(pk.v[k]), a.rms);
+      for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
+      acc.add_pack(f, a.rms);
     }
     const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
+#pragma unroll 4
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       const PackT pk = CACHE ? cache[v] : xr[v];
       float sc[PACK], bi[PACK], out[PACK];
@@ -479,17 +494,24 @@ cudaError_t fwd_regs_dispatch(const FwdArgs& a, cudaStream_t stream) {
     if (nvec <= 8) return launch_fwd_regs<T, P, PACK, 1, 8>(a, stream);
     if (nvec <= 16) return launch_fwd_regs<T, P, PACK, 1, 16>(a, stream);
   }
-  if constexpr (VPT * 32 * PACK <= kRegsMaxCols) {
+  if constexpr (VPT * 32 * PACK <= fwd_regs_max_cols<T, PACK>()) {
     if (nvec <= 32 * VPT) return launch_fwd_regs<T, P, PACK, VPT, 32>(a, stream);
     return fwd_regs_dispatch<T, P, PACK, VPT * 2>(a, stream);
   }
   return cudaErrorInvalidValue;
 }
 
+// Threads for a block-per-row kernel: about four packs each, 128..1024, so that
+// several rows per multiprocessor are in flight between the block barriers.
+inline int block_threads(int64_t nvec) {
+  const int64_t t = ((nvec + 3) / 4 + 31) / 32 * 32;
+  return int(t < 128 ? 128 : (t > 1024 ? 1024 : t));
+}
+
 template <typename T, typename P, int PACK>
 cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
-  const int threads = int(nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32);
+  const int threads = block_threads(nvec);
   const size_t smem = size_t(a.cols) * sizeof(T);
   cudaError_t err;
   int blocks = 0;
@@ -509,7 +531,7 @@ cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
 
 template <typename T, typename P, int PACK>
 cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
-  if (a.cols <= kRegsMaxCols) return fwd_regs_dispatch<T, P, PACK>(a, stream);
+  if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK>(a, stream);
   return launch_fwd_block<T, P, PACK>(a, stream);
 }
 
@@ -607,7 +629,7 @@ cudaError_t launch_bwd_block_regs(const BwdArgs& a, cudaStream_t stream) {
 template <typename T, typename P, int PACK>
 cudaError_t launch_bwd_block(const BwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
-  const int threads = int(nvec >= 1024 ? 1024 : ((nvec + 31) / 32) * 32);
+  const int threads = block_threads(nvec);
   const size_t smem = 2 * size_t(a.cols) * sizeof(T);
   cudaError_t err;
   int blocks = 0;

@@ -12,6 +12,21 @@ struct NormAcc : Welford {
     if (rms) { count += 1.f; m2 += x * x; }
     else Welford::add(x);
   }
+  // A pack of N values: exact two-pass statistics of the pack, then one Welford
+  // merge (one division per pack instead of one per element).
+  template <int N>
+  JO_HD void add_pack(const float (&v)[N], bool rms) {
+    float s = 0.f, ss = 0.f;
+    if (rms) {
+      for (int k = 0; k < N; ++k) ss += v[k] * v[k];
+      count += float(N); m2 += ss;
+      return;
+    }
+    for (int k = 0; k < N; ++k) s += v[k];
+    const float pm = s * (1.f / float(N));
+    for (int k = 0; k < N; ++k) ss += (v[k] - pm) * (v[k] - pm);
+    Welford::merge(pm, ss, float(N));
+  }
   JO_HD void merge(const NormAcc& o, bool rms) {
     if (rms) { count += o.count; m2 += o.m2; }
     else Welford::merge(o.mean, o.m2, o.count);

@@ -110,7 +110,10 @@ def _fwd_batch(args, dims, **params):
     # A batched x is just more leading (row) axes: move the batch axis to the front.
     x = jnp.moveaxis(x, xd, 0)
     y, mean, rstd = norm_fwd_p.bind(x, scale, bias, **params)
-    return (y, mean, rstd), (0, 0 if _present(mean) else None, 0 if _present(rstd) else None)
+    # Statistics exist (and are batched) as the params say; their shape can't tell
+    # when the batch is empty.
+    stats = params["with_stats"]
+    return (y, mean, rstd), (0, 0 if stats and not params["rms"] else None, 0 if stats else None)
 
 
 norm_fwd_p = define_primitive(
@@ -170,7 +173,7 @@ def _bwd_batch(args, dims, **params):
         return jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
 
     dy, x, rstd = front(dy, dims[0]), front(x, dims[1]), front(rstd, dims[3])
-    if _present(mean) or dims[2] is not None:
+    if not params["rms"]:
         mean = front(mean, dims[2])
     # dx: batch folded into rows. dscale/dbias are per example under vmap, so
     # they are summed per batch element here instead of over all rows.
