@@ -5,7 +5,7 @@
 set -uo pipefail
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/jax_ops_out}; mkdir -p "$OUT"
-steps=${*:-env tests sanitize bench-ln bench-rms}
+steps=${*:-env check tests bench-ln bench-rms sanitize}
 commit=$(cat .carry/COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 
 { date -u +%FT%TZ; echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; } | tee "$OUT/env.txt"
@@ -21,8 +21,9 @@ for step in $steps; do
   case $step in
     tests) python3 -m pytest tests -q -n 4 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -15 ;;
     check) python3 benchmarks/sanitize_norm.py 2>&1 | tail -20 | tee "$OUT/check.txt" ;;
-    sanitize) compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_norm.py 2>&1 | tail -8 | tee "$OUT/sanitize.txt" ;;
-    racecheck) compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_norm.py 33,1025,5000 2>&1 | tail -8 | tee "$OUT/racecheck.txt" ;;
+    # Under the sanitizers XLA's compiles crawl: a few shapes, one per kernel tier.
+    sanitize) timeout 200 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_norm.py 3,33,1025,5000,40000 2>&1 | tail -8 | tee "$OUT/sanitize.txt" ;;
+    racecheck) timeout 150 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_norm.py 5000,40000 2>&1 | tail -8 | tee "$OUT/racecheck.txt" ;;
     bench-ln) python3 -m jax_ops.bench --op layer_norm --mode fwd,fwd_bwd,bwd --check --json "$OUT/layer_norm.json" 2>&1 | tee "$OUT/layer_norm.txt" ;;
     bench-rms) python3 -m jax_ops.bench --op rms_norm --mode fwd,fwd_bwd,bwd --check --json "$OUT/rms_norm.json" 2>&1 | tee "$OUT/rms_norm.txt" ;;
     env) ;;

@@ -4,6 +4,7 @@
 // Forward tiers, by row length (cols):
 //   row <= 8 KiB : a group of WIDTH lanes (1..32) per row, row held in registers;
 //                  groups narrower than a warp take two rows at a time.
+//   <= 4096 packs: a block per row, row in registers (up to 8 packs a thread).
 //   longer rows  : a block per row, row cached in shared memory, or read twice
 //                  from global memory when shared memory cannot hold it.
 // Backward tiers:
@@ -157,6 +158,50 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
   }
 }
 
+// Block per row, each thread holding K packs of the row in registers: no shared
+// memory round trip, and all K loads of a thread are in flight at once.
+template <typename T, typename P, int PACK, int K>
+__global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(FwdArgs a) {
+  using PackT = Pack<T, PACK>;
+  const int64_t nvec = a.cols / PACK;
+  const PackT* x = static_cast<const PackT*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    PackT raw[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
+      if (v < nvec) raw[k] = x[row * nvec + v];
+    }
+    NormAcc acc;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (threadIdx.x + int64_t(k) * blockDim.x < nvec) {
+        float f[PACK];
+#pragma unroll
+        for (int j = 0; j < PACK; ++j) f[j] = to_float(raw[k].v[j]);
+        acc.add_pack(f, a.rms);
+      }
+    }
+    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
+      if (v >= nvec) continue;
+      float sc[PACK], bi[PACK], out[PACK];
+      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
+      load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) out[j] = norm_out(to_float(raw[k].v[j]), st, sc[j], bi[j]);
+      store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
+    }
+    if (threadIdx.x == 0 && a.rstd != nullptr) {
+      if (a.mean != nullptr) a.mean[row] = st.mean;
+      a.rstd[row] = st.rstd;
+    }
+  }
+}
+
 template <typename T, typename P, int PACK, bool CACHE>
 __global__ void fwd_block_kernel(FwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -202,6 +247,7 @@ __global__ void fwd_block_kernel(FwdArgs a) {
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
 __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(BwdArgs a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
   const T* x = static_cast<const T*>(a.x);
@@ -213,53 +259,60 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(BwdArgs a, float
   for (int i = 0; i < N; ++i) { ds[i] = 0.f; db[i] = 0.f; }
   for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
        tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
-    float xh[ROWS][N], g[ROWS][N], sum_g[ROWS], sum_gx[ROWS], rstd[ROWS];
+    // x and dy stay in registers in their storage type (half the registers of
+    // float); xhat and g are recomputed in the second pass.
+    PackT rx[ROWS][VPT], rd[ROWS][VPT];
+    float mean[ROWS], rstd[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
       const bool valid = row < a.rows;
-      const float mean = (valid && !a.rms) ? a.mean[row] : 0.f;
+      mean[r] = (valid && !a.rms) ? a.mean[row] : 0.f;
       rstd[r] = valid ? a.rstd[row] : 0.f;
-      sum_g[r] = 0.f; sum_gx[r] = 0.f;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        float xv[PACK], dyv[PACK], sc[PACK];
         if (valid && col < a.cols) {
-          load_pack<T, PACK>(x + row * a.cols + col, xv);
-          load_pack<T, PACK>(dy + row * a.cols + col, dyv);
-          load_param<P, PACK>(a.scale, col, 1.f, sc);
-        } else {
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) { xv[k] = mean; dyv[k] = 0.f; sc[k] = 0.f; }
-        }
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) {
-          const int i = v * PACK + k;
-          xh[r][i] = (xv[k] - mean) * rstd[r];
-          g[r][i] = dyv[k] * sc[k];
-          sum_g[r] += g[r][i];
-          sum_gx[r] += g[r][i] * xh[r][i];
-          ds[i] += dyv[k] * xh[r][i];
-          db[i] += dyv[k];
+          rx[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
+          rd[r][v] = *reinterpret_cast<const PackT*>(dy + row * a.cols + col);
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g[r]) * inv_n;
-      const float mgx = group_sum<WIDTH>(sum_gx[r]) * inv_n;
+      float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (row < a.rows && col < a.cols) {
+          float sc[PACK];
+          load_param<P, PACK>(a.scale, col, 1.f, sc);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) {
+            const float g = to_float(rd[r][v].v[k]) * sc[k];
+            sum_g += g;
+            sum_gx += g * (to_float(rx[r][v].v[k]) - mean[r]) * rstd[r];
+          }
+        }
+      }
+      const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
+      const float mgx = group_sum<WIDTH>(sum_gx) * inv_n;
       if (row >= a.rows) continue;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (col >= a.cols) continue;
-        float out[PACK];
+        float sc[PACK], out[PACK];
+        load_param<P, PACK>(a.scale, col, 1.f, sc);
 #pragma unroll
         for (int k = 0; k < PACK; ++k) {
           const int i = v * PACK + k;
-          out[k] = norm_dx(g[r][i], xh[r][i], rstd[r], mg, mgx);
+          const float d = to_float(rd[r][v].v[k]);
+          const float xh = (to_float(rx[r][v].v[k]) - mean[r]) * rstd[r];
+          out[k] = norm_dx(d * sc[k], xh, rstd[r], mg, mgx);
+          ds[i] += d * xh;
+          db[i] += d;
         }
         store_pack<T, PACK>(dx + row * a.cols + col, out);
       }
@@ -529,9 +582,40 @@ cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Block-per-row in registers: up to 8 packs a thread (at most 512 threads then,
+// so 64 registers of row data never spill): rows of up to 4096 packs.
+constexpr int kBlockRegsMaxPacks = 8;
+constexpr int64_t kFwdBlockRegsMaxVec = 4096;
+
+template <typename T, typename P, int PACK, int K>
+cudaError_t launch_fwd_block_regs_k(const FwdArgs& a, int threads, cudaStream_t stream) {
+  auto kernel = fwd_block_regs_kernel<T, P, PACK, K>;
+  int blocks = 0;
+  cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
+  if (err != cudaSuccess) return err;
+  kernel<<<blocks, threads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// About 256 threads per row (more packs per thread for longer rows, up to 8).
+template <typename T, typename P, int PACK>
+cudaError_t launch_fwd_block_regs(const FwdArgs& a, cudaStream_t stream) {
+  const int64_t nvec = a.cols / PACK;
+  int k = 1;
+  while (k < kBlockRegsMaxPacks && nvec > int64_t(256) * k) k *= 2;
+  const int threads = int(((nvec + k - 1) / k + 31) / 32 * 32);
+  switch (k) {
+    case 1: return launch_fwd_block_regs_k<T, P, PACK, 1>(a, threads, stream);
+    case 2: return launch_fwd_block_regs_k<T, P, PACK, 2>(a, threads, stream);
+    case 4: return launch_fwd_block_regs_k<T, P, PACK, 4>(a, threads, stream);
+    default: return launch_fwd_block_regs_k<T, P, PACK, 8>(a, threads, stream);
+  }
+}
+
 template <typename T, typename P, int PACK>
 cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
   if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK>(a, stream);
+  if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK>(a, stream);
   return launch_fwd_block<T, P, PACK>(a, stream);
 }
 
