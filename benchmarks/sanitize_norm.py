@@ -31,7 +31,8 @@ for cols in COLS:
             dy = jax.random.normal(k[3], (rows, cols)).astype(dtype)
             got, ref = run("cuda", op, x, s, b, dy), run("xla", op, x, s, b, dy)
             for name, g, r in zip(("y", "dx", "dscale", "dbias"), got, ref):
-                err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
+                # floor: LayerNorm's dx over 1 column is 0 up to rounding
+                err = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-3 * np.sqrt(r.size))
                 err = err if np.isfinite(err) else np.inf
                 if err > 2e-2:
                     bad = np.argwhere(~np.isclose(g, r, rtol=5e-2, atol=5e-2))

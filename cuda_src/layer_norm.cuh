@@ -98,6 +98,38 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 
 // ---------------------------------------------------------------- forward ---
 
+// Exact two-pass statistics of a row held in registers by a group of WIDTH
+// lanes (packs v*WIDTH + glane): mean first, then Σ(x - mean)²; no divisions,
+// and at least as accurate as Welford. RMSNorm: Σx² only.
+template <int WIDTH, typename PackT, int VPT>
+__device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], bool valid_row, int glane,
+                                                       const FwdArgs& a) {
+  constexpr int PACK = sizeof(PackT::v) / sizeof(PackT::v[0]);
+  const float inv_n = 1.f / float(a.cols);
+  float mean = 0.f;
+  if (!a.rms) {
+    float s = 0.f;
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      if (valid_row && int64_t(v * WIDTH + glane) * PACK < a.cols)
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) s += to_float(raw[v].v[k]);
+    mean = group_sum<WIDTH>(s) * inv_n;
+  }
+  float q = 0.f;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v)
+    if (valid_row && int64_t(v * WIDTH + glane) * PACK < a.cols)
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const float d = to_float(raw[v].v[k]) - mean;
+        q += d * d;
+      }
+  const float var = group_sum<WIDTH>(q) * inv_n;
+  return RowStats{mean, rsqrt_f32(var + a.eps)};
+}
+
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
 __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
   constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
@@ -110,7 +142,6 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
   for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
        tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
     PackT raw[ROWS][VPT];  // the row stays in registers in its storage type
-    NormAcc acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
@@ -123,21 +154,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (row < a.rows && col < a.cols) {
-          float f[PACK];
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) f[k] = to_float(raw[r][v].v[k]);
-          acc[r].add_pack(f, a.rms);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      const RowStats st = finish_stats(group_merge<WIDTH>(acc[r], a.rms), a.cols, a.eps, a.rms);
+      const RowStats st = row_stats_two_pass<WIDTH>(raw[r], row < a.rows, glane, a);
       if (row >= a.rows) continue;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
@@ -173,16 +190,27 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(Fwd
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
       if (v < nvec) raw[k] = x[row * nvec + v];
     }
+    // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
+    // thread in the block reduction.
     NormAcc acc;
+    float s = 0.f, q = 0.f, cnt = 0.f;
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < K; ++k)
       if (threadIdx.x + int64_t(k) * blockDim.x < nvec) {
-        float f[PACK];
+        cnt += float(PACK);
 #pragma unroll
-        for (int j = 0; j < PACK; ++j) f[j] = to_float(raw[k].v[j]);
-        acc.add_pack(f, a.rms);
+        for (int j = 0; j < PACK; ++j) s += to_float(raw[k].v[j]);
       }
-    }
+    const float local_mean = (a.rms || cnt == 0.f) ? 0.f : s / cnt;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (threadIdx.x + int64_t(k) * blockDim.x < nvec)
+#pragma unroll
+        for (int j = 0; j < PACK; ++j) {
+          const float d = to_float(raw[k].v[j]) - local_mean;
+          q += d * d;
+        }
+    acc.mean = local_mean; acc.m2 = q; acc.count = cnt;
     const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -526,12 +554,16 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH>
 cudaError_t launch_fwd_regs(const FwdArgs& a, cudaStream_t stream) {
-  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
+  constexpr int ROWS = WIDTH < 32 ? 4 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS>;
+  // One tile per warp rather than a persistent grid: with few tiles per warp a
+  // persistent grid leaves a partly idle last round, the scheduler balances better.
   int blocks = 0;
-  cudaError_t err = resident_blocks(kernel, kRegsThreads, 0, (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, &blocks);
+  cudaError_t err = resident_blocks(kernel, kRegsThreads, 0, 1, &blocks);
   if (err != cudaSuccess) return err;
+  const int64_t needed = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+  blocks = int(needed < int64_t(sm_count()) * 64 ? needed : int64_t(sm_count()) * 64);
   kernel<<<blocks, kRegsThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
