@@ -372,7 +372,10 @@ def test_primitives_with_stats(op, dtype, impl):
     y2, m2, r2 = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=False,
                                  implementation=impl)[:3]
     assert m2.shape == (0,) and r2.shape == (0,)
-    assert bitwise_equal(y, y2), "with_stats must not change y"
+    if impl == "cuda":  # our kernels compute y the same way either way
+        assert bitwise_equal(y, y2), "with_stats must not change y"
+    else:  # XLA may fuse the two graphs differently (seen on GPU): last-bit differences
+        assert_close("y without stats", y2, y, tol=1e-6, elem_tol=1e-6)
 
     # (dx, dscale, dbias) lead the backward's results; anything after them is internal.
     dx, dscale, dbias = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
