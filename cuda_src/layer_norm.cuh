@@ -2,7 +2,7 @@
 //
 // Rows are the flattened leading axes, normalization runs over the last axis.
 // Forward tiers, by row length (cols):
-//   row <= 16 KiB: a group of WIDTH lanes (1..32) per row, row held in registers;
+//   row <= 8 KiB : a group of WIDTH lanes (1..32) per row, row held in registers;
 //                  groups narrower than a warp take two rows at a time.
 //   <= 4096 packs: a block per row, row in registers (up to 8 packs a thread).
 //   longer rows  : a block per row, row cached in shared memory, or read twice
@@ -24,10 +24,11 @@
 namespace jax_ops::norm {
 
 constexpr int kRegsThreads = 128;
-// Forward keeps a row of up to 16 KiB in registers (8192 16-bit or 4096 float32
-// values; 1024 when unvectorized); the backward, which also holds dy and the
+// Forward keeps a row of up to 8 KiB in registers (4096 16-bit or 2048 float32
+// values; 1024 when unvectorized; 16 KiB rows measured slower: fewer warps fit);
+// the backward, which also holds dy and the
 // dscale/dbias partials, up to 1024 values.
-constexpr int kFwdRegsMaxBytes = 16384;
+constexpr int kFwdRegsMaxBytes = 8192;
 constexpr int kRegsMaxCols = 1024;
 template <typename T, int PACK>
 constexpr int64_t fwd_regs_max_cols() { return PACK == 1 ? kRegsMaxCols : kFwdRegsMaxBytes / int(sizeof(T)); }
