@@ -7,6 +7,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/jax_ops_out}; mkdir -p "$OUT"
 steps=${*:-env check tests bench-ln bench-rms sanitize}
 commit=$(cat .carry/COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
+export JAX_OPS_COMMIT=$commit  # recorded by the benchmark's JSON
 
 { date -u +%FT%TZ; echo "commit $commit"; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; } | tee "$OUT/env.txt"
 [ -f .carry/_ffi.so ] && cp .carry/_ffi.so jax_ops/_ffi.cpython-312-x86_64-linux-gnu.so

@@ -63,6 +63,7 @@ import math
 import re
 import shlex
 import statistics
+import os
 import subprocess
 import sys
 import time
@@ -510,8 +511,11 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD's commit, with "+dirty" when tracked files differ from it; None outside git."""
+    """HEAD's commit, with "+dirty" when tracked files differ from it; outside git (a
+    copy of the tree on the GPU machine) the JAX_OPS_COMMIT environment variable."""
     commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return os.environ.get("JAX_OPS_COMMIT")
     if commit and _git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     return commit
