@@ -60,10 +60,10 @@ import functools
 import gc
 import json
 import math
+import os
 import re
 import shlex
 import statistics
-import os
 import subprocess
 import sys
 import time
