@@ -553,6 +553,23 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
 }
 
+// Whether a shared-memory-caching kernel can run with `smem` dynamic bytes (its static
+// shared memory counted too: the opt-in limit covers the sum), setting the opt-in and
+// the grid. On any refusal the recorded error is cleared and the caller falls back to
+// the uncached kernel.
+template <typename Kernel>
+bool cached_grid(Kernel kernel, int threads, size_t smem, int64_t work_blocks, int* blocks) {
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess ||
+      smem + fa.sharedSizeBytes > size_t(max_smem_per_block()) ||
+      allow_smem(kernel, smem) != cudaSuccess ||
+      resident_blocks(kernel, threads, smem, work_blocks, blocks) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH>
 cudaError_t launch_fwd_regs(const FwdArgs& a, cudaStream_t stream) {
   constexpr int ROWS = WIDTH < 32 ? 4 : 1;
@@ -599,18 +616,14 @@ cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   const int threads = block_threads(nvec);
   const size_t smem = size_t(a.cols) * sizeof(T);
-  cudaError_t err;
   int blocks = 0;
-  if (smem <= size_t(max_smem_per_block())) {
-    auto kernel = fwd_block_kernel<T, P, PACK, true>;
-    if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
-    if ((err = resident_blocks(kernel, threads, smem, a.rows, &blocks)) == cudaSuccess) {
-      kernel<<<blocks, threads, smem, stream>>>(a);
-      return cudaGetLastError();
-    }
+  if (cached_grid(fwd_block_kernel<T, P, PACK, true>, threads, smem, a.rows, &blocks)) {
+    fwd_block_kernel<T, P, PACK, true><<<blocks, threads, smem, stream>>>(a);
+    return cudaGetLastError();
   }
   auto kernel = fwd_block_kernel<T, P, PACK, false>;
-  if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
+  const cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
+  if (err != cudaSuccess) return err;
   kernel<<<blocks, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
@@ -750,16 +763,9 @@ cudaError_t launch_bwd_block(const BwdArgs& a, cudaStream_t stream) {
   const size_t smem = 2 * size_t(a.cols) * sizeof(T);
   cudaError_t err;
   int blocks = 0;
-  bool launched = false;
-  if (smem <= size_t(max_smem_per_block())) {
-    auto kernel = bwd_block_kernel<T, P, PACK, true>;
-    if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
-    if (resident_blocks(kernel, threads, smem, a.rows, &blocks) == cudaSuccess) {
-      kernel<<<blocks, threads, smem, stream>>>(a);
-      launched = true;
-    }
-  }
-  if (!launched) {
+  if (cached_grid(bwd_block_kernel<T, P, PACK, true>, threads, smem, a.rows, &blocks)) {
+    bwd_block_kernel<T, P, PACK, true><<<blocks, threads, smem, stream>>>(a);
+  } else {
     auto kernel = bwd_block_kernel<T, P, PACK, false>;
     if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
     kernel<<<blocks, threads, 0, stream>>>(a);

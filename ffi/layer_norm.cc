@@ -21,6 +21,8 @@ struct Shape2D { int64_t rows, cols; };
 ffi::ErrorOr<Shape2D> rows_cols(const ffi::AnyBuffer& x, const char* name) {
   const auto d = x.dimensions();
   if (d.size() < 1) return ffi::Error::InvalidArgument(std::string(name) + " must have rank >= 1; got a scalar");
+  if (d.back() < 1)
+    return ffi::Error::InvalidArgument(std::string(name) + "'s last axis must have size >= 1; got shape " + dims_str(d));
   Shape2D s{1, d.back()};
   for (size_t i = 0; i + 1 < d.size(); ++i) s.rows *= d[i];
   return s;
@@ -98,6 +100,9 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuff
   JO_RETURN_IF_ERROR(expect_count(dbias, "dbias", cols, true));
   if (dscale.element_count() && (!scale.element_count() || dscale.element_type() != scale.element_type()))
     return ffi::Error::InvalidArgument("dscale needs scale, in scale's dtype");
+  if (dbias.element_count() && scale.element_count() && dbias.element_type() != scale.element_type())
+    return ffi::Error::InvalidArgument(std::string("dbias (") + dtype_name(dbias.element_type()) +
+                                       ") must have scale's dtype (" + dtype_name(scale.element_type()) + ")");
   JO_RETURN_IF_ERROR(expect_f32(work, "workspace"));
   const int64_t work_rows = int64_t(work.element_count()) / (2 * cols);
   if ((dscale.element_count() || dbias.element_count()) && rows > 0 && work_rows < 1)

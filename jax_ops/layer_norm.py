@@ -141,7 +141,12 @@ def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, i
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"jax_ops norm backward: dy must match x; got dy {dy.shape} "
                          f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"jax_ops norm backward: x must have a last axis of size >= 1; got shape {x.shape}")
     cols = x.shape[-1]
+    if dscale_dtype and dbias_dtype and jnp.dtype(dscale_dtype) != jnp.dtype(dbias_dtype):
+        raise TypeError(f"jax_ops norm backward: dscale and dbias must share a dtype; got "
+                        f"{_fmt_dtype(dscale_dtype)} and {_fmt_dtype(dbias_dtype)}")
     dscale = core.ShapedArray((cols,) if dscale_dtype else (0,), dscale_dtype or _F32)
     dbias = core.ShapedArray((cols,) if dbias_dtype else (0,), dbias_dtype or _F32)
     work = core.ShapedArray(workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype)), _F32)

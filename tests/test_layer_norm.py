@@ -787,3 +787,18 @@ def test_unavailable_implementation_lists_available(op):
     if "cuda" not in AVAILABLE:  # also through the public API on this very platform
         with pytest.raises(ValueError, match=r"implementation='cuda'.*available there: \['xla'\]"):
             _err_call(op, jnp.ones((2, 8), f32), implementation="cuda")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_backward_primitive_rejects_bad_operands(impl):
+    """Direct binds of the backward primitive: errors at abstract evaluation, before any
+    kernel runs (the FFI handlers re-check the same and return an error, never crash)."""
+    x = jnp.ones((2, 8), f32)
+    r = jnp.ones((2,), f32)
+    with pytest.raises(TypeError, match=r"dscale and dbias must share a dtype.*float32.*bfloat16"):
+        norm_bwd_p.bind(x, x, r, r, jnp.ones((8,), f32), rms=False, dscale_dtype=jnp.dtype(f32),
+                        dbias_dtype=jnp.dtype(jnp.bfloat16), implementation=impl)
+    x0 = jnp.ones((2, 0), f32)
+    with pytest.raises(ValueError, match=r"last axis of size >= 1.*\(2, 0\)"):
+        norm_bwd_p.bind(x0, x0, r, r, jnp.zeros((0,), f32), rms=False, dscale_dtype=None,
+                        dbias_dtype=None, implementation=impl)
