@@ -17,6 +17,7 @@
 // fixed order: no atomics, bitwise reproducible.
 #pragma once
 #include <cuda_runtime.h>
+#include <type_traits>
 #include "cuda_src/common.h"
 #include "cuda_src/cuda_utils.cuh"
 #include "cuda_src/norm_math.h"
@@ -586,22 +587,31 @@ cudaError_t launch_fwd_regs(const FwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Picks WIDTH (lanes per row) and VPT (packs per lane) for a row of nvec packs.
-template <typename T, typename P, int PACK, int VPT = 1>
-cudaError_t fwd_regs_dispatch(const FwdArgs& a, cudaStream_t stream) {
-  const int64_t nvec = a.cols / PACK;
+// Row-group shape for a row of nvec packs, as launch(VPT, WIDTH) with compile-time
+// constants: the next power of two of lanes (1..16) with one pack each when that covers
+// the row, else 32 lanes with the next power of two of packs each, up to MAX_COLS values.
+template <int PACK, int64_t MAX_COLS, int VPT = 1, typename Launch>
+cudaError_t dispatch_group_shape(int64_t nvec, Launch&& launch) {
+  using One = std::integral_constant<int, 1>;
   if constexpr (VPT == 1) {
-    if (nvec <= 1) return launch_fwd_regs<T, P, PACK, 1, 1>(a, stream);
-    if (nvec <= 2) return launch_fwd_regs<T, P, PACK, 1, 2>(a, stream);
-    if (nvec <= 4) return launch_fwd_regs<T, P, PACK, 1, 4>(a, stream);
-    if (nvec <= 8) return launch_fwd_regs<T, P, PACK, 1, 8>(a, stream);
-    if (nvec <= 16) return launch_fwd_regs<T, P, PACK, 1, 16>(a, stream);
+    if (nvec <= 1) return launch(One{}, One{});
+    if (nvec <= 2) return launch(One{}, std::integral_constant<int, 2>{});
+    if (nvec <= 4) return launch(One{}, std::integral_constant<int, 4>{});
+    if (nvec <= 8) return launch(One{}, std::integral_constant<int, 8>{});
+    if (nvec <= 16) return launch(One{}, std::integral_constant<int, 16>{});
   }
-  if constexpr (VPT * 32 * PACK <= fwd_regs_max_cols<T, PACK>()) {
-    if (nvec <= 32 * VPT) return launch_fwd_regs<T, P, PACK, VPT, 32>(a, stream);
-    return fwd_regs_dispatch<T, P, PACK, VPT * 2>(a, stream);
+  if constexpr (VPT * 32 * PACK <= MAX_COLS) {
+    if (nvec <= 32 * VPT) return launch(std::integral_constant<int, VPT>{}, std::integral_constant<int, 32>{});
+    return dispatch_group_shape<PACK, MAX_COLS, VPT * 2>(nvec, launch);
   }
   return cudaErrorInvalidValue;
+}
+
+template <typename T, typename P, int PACK>
+cudaError_t fwd_regs_dispatch(const FwdArgs& a, cudaStream_t stream) {
+  return dispatch_group_shape<PACK, fwd_regs_max_cols<T, PACK>()>(a.cols / PACK, [&](auto vpt, auto width) {
+    return launch_fwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value>(a, stream);
+  });
 }
 
 // Threads for a block-per-row kernel: about four packs each, 128..1024, so that
@@ -718,21 +728,11 @@ cudaError_t launch_bwd_regs(const BwdArgs& a, cudaStream_t stream) {
   return partials ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
 }
 
-template <typename T, typename P, int PACK, int VPT = 1>
+template <typename T, typename P, int PACK>
 cudaError_t bwd_regs_dispatch(const BwdArgs& a, cudaStream_t stream) {
-  const int64_t nvec = a.cols / PACK;
-  if constexpr (VPT == 1) {
-    if (nvec <= 1) return launch_bwd_regs<T, P, PACK, 1, 1>(a, stream);
-    if (nvec <= 2) return launch_bwd_regs<T, P, PACK, 1, 2>(a, stream);
-    if (nvec <= 4) return launch_bwd_regs<T, P, PACK, 1, 4>(a, stream);
-    if (nvec <= 8) return launch_bwd_regs<T, P, PACK, 1, 8>(a, stream);
-    if (nvec <= 16) return launch_bwd_regs<T, P, PACK, 1, 16>(a, stream);
-  }
-  if constexpr (VPT * 32 * PACK <= kRegsMaxCols) {
-    if (nvec <= 32 * VPT) return launch_bwd_regs<T, P, PACK, VPT, 32>(a, stream);
-    return bwd_regs_dispatch<T, P, PACK, VPT * 2>(a, stream);
-  }
-  return cudaErrorInvalidValue;
+  return dispatch_group_shape<PACK, kRegsMaxCols>(a.cols / PACK, [&](auto vpt, auto width) {
+    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value>(a, stream);
+  });
 }
 
 template <typename T, typename P, int PACK, int K = 1>

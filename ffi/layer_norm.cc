@@ -174,15 +174,33 @@ void bwd_cpu(const BwdArgs& a) {
   for (int64_t c = 0; c < int64_t(db.size()); ++c) static_cast<P*>(a.dbias)[c] = from_float<P>(float(db[c]));
 }
 
-ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                      ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
-  auto args = fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms);
+// Checks the operands, then calls run(T{}, P{}, args) with the storage types of x and
+// of the parameters: the CPU and CUDA handlers differ only in `run`.
+template <typename Run>
+ffi::Error with_fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer y,
+                         ffi::AnyBuffer mean, ffi::AnyBuffer rstd, float epsilon, bool rms, Run&& run) {
+  auto args = fwd_args(x, scale, bias, y, mean, rstd, epsilon, rms);
   if (args.has_error()) return args.error();
   auto pt = param_dtype(scale, bias);
   if (pt.has_error()) return pt.error();
-  return dispatch_act_param(x.element_type(), pt.value(), [&](auto t, auto p) {
-    fwd_cpu<decltype(t), decltype(p)>(args.value());
+  return dispatch_act_param(x.element_type(), pt.value(), [&](auto t, auto p) { return run(t, p, args.value()); });
+}
+
+template <typename Run>
+ffi::Error with_bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                         ffi::AnyBuffer scale, ffi::AnyBuffer dx, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
+                         ffi::AnyBuffer work, bool rms, Run&& run) {
+  auto args = bwd_args(dy, x, mean, rstd, scale, dx, dscale, dbias, work, rms);
+  if (args.has_error()) return args.error();
+  return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, dbias),
+                            [&](auto t, auto p) { return run(t, p, args.value()); });
+}
+
+ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
+                      ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
+  return with_fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms, [](auto t, auto p, const FwdArgs& a) {
+    fwd_cpu<decltype(t), decltype(p)>(a);
     return ffi::Error::Success();
   });
 }
@@ -191,28 +209,25 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, 
                       ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
                       ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
                       ffi::Result<ffi::AnyBuffer> work, bool rms) {
-  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms);
-  if (args.has_error()) return args.error();
-  return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, *dbias), [&](auto t, auto p) {
-    bwd_cpu<decltype(t), decltype(p)>(args.value());
-    return ffi::Error::Success();
-  });
+  return with_bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms,
+                       [](auto t, auto p, const BwdArgs& a) {
+                         bwd_cpu<decltype(t), decltype(p)>(a);
+                         return ffi::Error::Success();
+                       });
 }
 
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
 
+ffi::Error cuda_status(cudaError_t err, const char* what) {
+  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
+}
+
 ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                        ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
-  auto args = fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms);
-  if (args.has_error()) return args.error();
-  auto pt = param_dtype(scale, bias);
-  if (pt.has_error()) return pt.error();
-  return dispatch_act_param(x.element_type(), pt.value(), [&](auto t, auto p) {
-    const cudaError_t err = launch_fwd<decltype(t), decltype(p)>(args.value(), stream);
-    return err == cudaSuccess ? ffi::Error::Success()
-                              : ffi::Error::Internal(cuda_error_message("jax_ops_norm_fwd", err));
+  return with_fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms, [stream](auto t, auto p, const FwdArgs& a) {
+    return cuda_status(launch_fwd<decltype(t), decltype(p)>(a, stream), "jax_ops_norm_fwd");
   });
 }
 
@@ -220,13 +235,10 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                        ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
                        ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
                        ffi::Result<ffi::AnyBuffer> work, bool rms) {
-  auto args = bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms);
-  if (args.has_error()) return args.error();
-  return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, *dbias), [&](auto t, auto p) {
-    const cudaError_t err = launch_bwd<decltype(t), decltype(p)>(args.value(), stream);
-    return err == cudaSuccess ? ffi::Error::Success()
-                              : ffi::Error::Internal(cuda_error_message("jax_ops_norm_bwd", err));
-  });
+  return with_bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms,
+                       [stream](auto t, auto p, const BwdArgs& a) {
+                         return cuda_status(launch_bwd<decltype(t), decltype(p)>(a, stream), "jax_ops_norm_bwd");
+                       });
 }
 #endif
 
