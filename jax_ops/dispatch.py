@@ -14,8 +14,6 @@ Automatic choice (implementation=None), made at lowering time from static shapes
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from jax_ops import _extension
 
 IMPLEMENTATIONS = ("xla", "cuda")
@@ -37,8 +35,7 @@ def available(platform: str, ffi_target: str) -> list[str]:
     return names
 
 
-def choose(op: str, implementation: str | None, platform: str, ffi_target: str,
-           avals: Sequence = ()) -> str:
+def choose(op: str, implementation: str | None, platform: str, ffi_target: str) -> str:
     """The implementation to lower `op` with on `platform`; raises if the asked one can't."""
     check_name(op, implementation)
     names = available(platform, ffi_target)

@@ -37,7 +37,7 @@ def define_primitive(
     prim.def_abstract_eval(abstract_eval)
 
     def lowering(ctx, *args, platform, implementation, **params):
-        impl = dispatch.choose(op, implementation, platform, ffi_target, ctx.avals_in)
+        impl = dispatch.choose(op, implementation, platform, ffi_target)
         if impl == "xla":
             return mlir.lower_fun(partial(reference, **params), multiple_results=True)(ctx, *args)
         return jax.ffi.ffi_lowering(ffi_target)(ctx, *args, **ffi_attrs(params))
