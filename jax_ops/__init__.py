@@ -1,9 +1,17 @@
 """jax_ops: fused memory-bound ops for JAX (hand CUDA through XLA FFI, Pallas, XLA)."""
 from jax_ops import _extension
-from jax_ops.dispatch import IMPLEMENTATIONS
+from jax_ops.tuning import autotune
+from jax_ops.dispatch import explain
 from jax_ops.layer_norm import layer_norm, rms_norm
+from jax_ops.registry import (implementations, register_implementation,
+                              unregister_implementation, use)
 
-__all__ = ["layer_norm", "rms_norm", "IMPLEMENTATIONS", "with_cuda"]
+#: the built-in implementations every op has
+IMPLEMENTATIONS = ("xla", "cuda", "pallas")
+
+__all__ = ["layer_norm", "rms_norm", "IMPLEMENTATIONS", "implementations", "use",
+           "register_implementation", "unregister_implementation", "explain", "autotune",
+           "with_cuda"]
 
 
 def with_cuda() -> bool:

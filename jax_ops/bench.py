@@ -1,12 +1,17 @@
 """Benchmark of jax_ops' norms against XLA, Flax and a device-copy bandwidth ceiling.
 
-    python -m jax_ops.bench [--op layer_norm|rms_norm] [--impl cuda,xla,flax]
+    python -m jax_ops.bench [--op layer_norm|rms_norm] [--impl cuda,pallas,xla,auto,flax]
         [--dtype bf16|f32|f16] [--rows N] [--cols 32,64,...] [--mode fwd,fwd_bwd,bwd]
-        [--repeats 5] [--check] [--json [PATH]] [--csv PATH]
+        [--repeats 5] [--check] [--json [PATH]] [--csv PATH] [--table PATH]
 
 Implementations ("--impl"):
-  cuda  jax_ops.<op>(..., implementation="cuda"): our hand kernels (on CPU: host handlers).
-  xla   jax_ops.<op>(..., implementation="xla"): our primitive lowered to plain XLA.
+  cuda    jax_ops.<op>(..., implementation="cuda"): our hand kernels (on CPU: host handlers).
+  pallas  jax_ops.<op>(..., implementation="pallas"): our Pallas kernels (interpreted on CPU,
+          so not in the CPU default).
+  xla     jax_ops.<op>(..., implementation="xla"): our primitive lowered to plain XLA.
+  auto    jax_ops.<op>(...): the automatic choice (measured table, autotune cache,
+          heuristics; see jax_ops/dispatch.py). Under the tables, "auto/best" is its time
+          over the fastest of cuda/pallas/xla in the same run.
   flax  flax.linen.LayerNorm / RMSNorm (param_dtype float32, dtype = x's dtype so y has
         x's dtype), differentiated by JAX autodiff. Falls back to "jnp" when flax is
         not importable.
@@ -76,7 +81,8 @@ import jax.numpy as jnp
 import jax_ops  # registers the FFI targets, jax_ops_device_copy included
 
 OPS = ("layer_norm", "rms_norm")
-IMPLS = ("cuda", "xla", "flax", "jnp")
+IMPLS = ("cuda", "pallas", "xla", "auto", "flax", "jnp")
+KERNEL_IMPLS = ("cuda", "pallas", "xla")  # what the automatic choice picks among
 MODES = ("fwd", "fwd_bwd", "bwd")
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 EPSILON = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # jax_ops' defaults, used by every impl
@@ -171,7 +177,8 @@ def _flax_norm(op: str, eps: float, dtype) -> Callable:
 def make_op(op: str, impl: str, dtype) -> Callable:
     """fn(x, *params) -> y for an implementation; params = (scale, bias) or (scale,)."""
     eps = EPSILON[op]
-    if impl in ("cuda", "xla"):
+    if impl in KERNEL_IMPLS or impl == "auto":
+        impl = None if impl == "auto" else impl
         if op == "layer_norm":
             return lambda x, scale, bias: jax_ops.layer_norm(
                 x, scale, bias, epsilon=eps, implementation=impl)
@@ -501,6 +508,65 @@ def format_tables(records: list[Record], impls: Sequence[str], baseline: str | N
     return "\n".join(lines)
 
 
+def auto_vs_best(records: list[Record]) -> list[tuple]:
+    """(op, mode, dtype, cols, best impl, best us, auto us, auto/best) per shape."""
+    out = []
+    for key in dict.fromkeys((r.op, r.mode, r.dtype, r.cols) for r in records):
+        group = {r.impl: r for r in records if (r.op, r.mode, r.dtype, r.cols) == key
+                 and r.time_us is not None}
+        timed = [(group[i].time_us, i) for i in KERNEL_IMPLS if i in group]
+        if "auto" in group and timed:
+            best_us, best = min(timed)
+            out.append((*key, best, best_us, group["auto"].time_us, group["auto"].time_us / best_us))
+    return out
+
+
+def format_auto_summary(records: list[Record]) -> str:
+    rows = auto_vs_best(records)
+    if not rows:
+        return ""
+    lines = ["", "automatic choice vs the fastest of cuda/pallas/xla in this run "
+                 "(auto/best <= 1.05 is the target)",
+             f"{'op':<10} {'mode':<8} {'dtype':<5} {'cols':>6} {'best':>7} {'best us':>9} "
+             f"{'auto us':>9} {'auto/best':>9}"]
+    for op, mode, dtype, cols, best, best_us, auto_us, ratio in rows:
+        flag = "" if ratio <= 1.05 else "  > 5%"
+        lines.append(f"{op:<10} {mode:<8} {dtype:<5} {cols:>6} {best:>7} {best_us:>9.1f} "
+                     f"{auto_us:>9.1f} {ratio:>9.3f}{flag}")
+    worst = max(r[-1] for r in rows)
+    lines.append(f"worst auto/best: {worst:.3f}; within 5%: "
+                 f"{sum(r[-1] <= 1.05 for r in rows)}/{len(rows)} shapes")
+    return "\n".join(lines)
+
+
+def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
+    """Merges this run's fwd/bwd times of cuda/pallas/xla into dispatch table `path`."""
+    table = {"device_kind": meta["device_kind"], "entries": []}
+    if path.exists():
+        table = json.loads(path.read_text())
+        if table.get("device_kind") != meta["device_kind"]:
+            raise SystemExit(f"--table {path} is for {table.get('device_kind')!r}, "
+                             f"this run is on {meta['device_kind']!r}")
+    new = {}
+    for r in records:  # the stages are the fwd and bwd modes; fwd_bwd is their sum
+        if r.mode in ("fwd", "bwd") and r.impl in KERNEL_IMPLS and r.time_us is not None:
+            key = (r.op, r.mode, jnp.dtype(DTYPES[r.dtype]).name, r.rows, r.cols)
+            new.setdefault(key, {})[r.impl] = round(r.time_us, 3)
+    entries = {(e["op"], e["stage"], e["dtype"], e["rows"], e["cols"]): e["us"]
+               for e in table["entries"]}
+    entries.update(new)
+    table.update(
+        command=meta["command"], date=meta["date"], git_commit=meta["git_commit"],
+        jax_version=meta["jax_version"], timer=meta["timer"],
+        note="median kernel time per call (us) of each implementation; written by "
+             "jax_ops.bench --table, read by jax_ops/dispatch.py",
+        entries=[{"op": k[0], "stage": k[1], "dtype": k[2], "rows": k[3], "cols": k[4], "us": v}
+                 for k, v in sorted(entries.items())])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
@@ -608,6 +674,9 @@ def parse_args(argv: Sequence[str] | None):
                    help="cap of K * min_bytes (default 20)")
     p.add_argument("--max-sets", type=int, default=256, help="cap of K (compile time)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", default=None, metavar="PATH",
+                   help="write (merge into) a dispatch table: the fwd and bwd times of "
+                        "cuda/pallas/xla per shape, as jax_ops/tables/<gpu>.json expects")
     cfg = p.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -619,7 +688,7 @@ def parse_args(argv: Sequence[str] | None):
         cfg.timer = "cupti" if on_gpu else "wall"
     if cfg.repeats < 1 or cfg.rows < 1 or any(c < 1 for c in cfg.cols):
         p.error("--repeats, --rows and --cols must be positive")
-    cfg.impls = resolve_impls(cfg.impl)
+    cfg.impls = resolve_impls(cfg.impl, on_gpu)
     cfg.baseline = "flax" if "flax" in cfg.impls else "jnp" if "jnp" in cfg.impls else None
     cfg.ops = cfg.op
     cfg.dtypes = cfg.dtype
@@ -627,9 +696,11 @@ def parse_args(argv: Sequence[str] | None):
     return cfg
 
 
-def resolve_impls(asked: list[str] | None) -> list[str]:
-    """The asked implementations (default cuda, xla, flax); flax -> jnp when missing."""
-    impls = list(asked or ["cuda", "xla", "flax"])
+def resolve_impls(asked: list[str] | None, on_gpu: bool = True) -> list[str]:
+    """The asked implementations (default cuda, pallas (GPU only), xla, auto, flax);
+    flax -> jnp when missing."""
+    default = ["cuda", "pallas", "xla", "auto", "flax"] if on_gpu else ["cuda", "xla", "auto", "flax"]
+    impls = list(asked or default)
     if "flax" in impls and not flax_available():
         log("flax is not importable: using the plain jax.numpy autodiff reference 'jnp' instead")
         impls = [i for i in impls if i != "flax"] + ([] if "jnp" in impls else ["jnp"])
@@ -651,6 +722,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 records += bench_shape(cfg, op, dtype_name, cols, timer)
 
     print(format_tables(records, cfg.impls, cfg.baseline, meta))
+    if "auto" in cfg.impls:
+        print(format_auto_summary(records))
+    if cfg.table:
+        path = write_table(Path(cfg.table), meta, records)
+        log(f"wrote dispatch table {path}")
     if cfg.json is not None:
         path = Path(cfg.json) if cfg.json else default_json_path("-".join(cfg.ops),
                                                                  meta["device_kind"])

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from jax_ops import dispatch
-from jax_ops.primitive import define_primitive, vmap_reference
+from jax_ops import registry
+from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+                               pallas_lowering, pallas_supports, vmap_reference)
+from pallas_kernels import layer_norm as pallas_norm
 
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
@@ -116,11 +118,12 @@ def _fwd_batch(args, dims, **params):
     return (y, mean, rstd), (0, 0 if stats and not params["rms"] else None, 0 if stats else None)
 
 
-norm_fwd_p = define_primitive(
-    "norm_fwd", op="layer_norm", abstract_eval=_fwd_abstract, reference=_fwd_reference,
-    ffi_target="jax_ops_norm_fwd",
-    ffi_attrs=lambda p: {"epsilon": np.float32(p["epsilon"]), "rms": bool(p["rms"])},
-    batching_rule=_fwd_batch)
+def _op_of(params) -> str:
+    return "rms_norm" if params["rms"] else "layer_norm"
+
+
+norm_fwd_p = define_primitive("norm_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
+                              batching_rule=_fwd_batch)
 
 
 # --------------------------------------------------------------- backward ---
@@ -199,10 +202,112 @@ def _bwd_batch(args, dims, **params):
                                        0 if params["dbias_dtype"] else None, 0)
 
 
-norm_bwd_p = define_primitive(
-    "norm_bwd", op="layer_norm", abstract_eval=_bwd_abstract, reference=_bwd_reference,
-    ffi_target="jax_ops_norm_bwd", ffi_attrs=lambda p: {"rms": bool(p["rms"])},
-    batching_rule=_bwd_batch)
+norm_bwd_p = define_primitive("norm_bwd", stage="bwd", op_of=_op_of, abstract_eval=_bwd_abstract,
+                              batching_rule=_bwd_batch)
+
+
+# --------------------------------------------------------- implementations ---
+
+def _rows_cols(shape):
+    return int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
+
+
+def _pallas_fwd(x, scale, bias, *, epsilon, rms, with_stats, config, interpret):
+    rows, cols = _rows_cols(x.shape)
+    if rows == 0:
+        return _fwd_reference(x, scale, bias, epsilon=epsilon, rms=rms, with_stats=with_stats)
+    y, mean, rstd = pallas_norm.norm_fwd(
+        x.reshape(rows, cols), scale if _present(scale) else None, bias if _present(bias) else None,
+        epsilon=epsilon, rms=rms, with_stats=with_stats, config=config, interpret=interpret)
+    stat = x.shape[:-1]
+    return (y.reshape(x.shape), _empty() if mean is None else mean.reshape(stat),
+            _empty() if rstd is None else rstd.reshape(stat))
+
+
+def _pallas_bwd(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, config, interpret):
+    rows, cols = _rows_cols(x.shape)
+    if rows == 0:
+        return _bwd_reference(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=dscale_dtype,
+                              dbias_dtype=dbias_dtype)
+    ws = workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype))
+    dx, dscale, dbias, work = pallas_norm.norm_bwd(
+        dy.reshape(rows, cols), x.reshape(rows, cols), None if rms else mean.reshape(rows),
+        rstd.reshape(rows), scale if _present(scale) else None, rms=rms, work_shape=ws,
+        config=config, interpret=interpret)
+    return (dx.reshape(x.shape), dscale.astype(dscale_dtype) if dscale_dtype else _empty(),
+            dbias.astype(dbias_dtype) if dbias_dtype else _empty(),
+            _empty() if work is None else work)
+
+
+def _pallas_configs(q):
+    return pallas_norm.candidate_configs(max(q.rows or 1, 1), q.cols, q.stage)
+
+
+def _user_lowerings(op):
+    """Adapter for register_implementation (signatures in layer_norm's docstring)."""
+    def adapt(fn, backward, tunable):
+        def fwd(x, scale, bias, *, epsilon, rms, with_stats, config):
+            rows, cols = _rows_cols(x.shape)
+            x2 = x.reshape(rows, cols)
+            p = [scale if _present(scale) else None] + ([] if rms else [bias if _present(bias) else None])
+            kw = {"config": config} if tunable else {}
+            out = fn(x2, *p, epsilon=epsilon, **kw)
+            y = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(out, (tuple, list)) and with_stats:  # the kernel's own statistics
+                mean = _empty() if rms else jnp.asarray(out[1], jnp.float32).reshape(x.shape[:-1])
+                rstd = jnp.asarray(out[-1], jnp.float32).reshape(x.shape[:-1])
+            else:  # statistics by jnp where the VJP needs them; XLA drops the unused y
+                _, mean, rstd = _fwd_reference(x, scale, bias, epsilon=epsilon, rms=rms,
+                                               with_stats=with_stats)
+            return jnp.asarray(y).astype(x.dtype).reshape(x.shape), mean, rstd
+
+        def bwd(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, config):
+            rows, cols = _rows_cols(x.shape)
+            kw = {"config": config} if tunable else {}
+            out = backward(dy.reshape(rows, cols), x.reshape(rows, cols),
+                           None if rms else mean.reshape(rows), rstd.reshape(rows),
+                           scale if _present(scale) else None, **kw)
+            dx, dscale = out[0], out[1]
+            dbias = None if rms else out[2]
+            work = jnp.zeros(workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype)), jnp.float32)
+            return (jnp.asarray(dx).astype(x.dtype).reshape(x.shape),
+                    jnp.asarray(dscale).astype(dscale_dtype) if dscale_dtype else _empty(),
+                    jnp.asarray(dbias).astype(dbias_dtype) if dbias_dtype else _empty(), work)
+
+        lower = {"fwd": _user_jnp(fwd)}
+        if backward is not None:
+            lower["bwd"] = _user_jnp(bwd)
+        return lower
+    return adapt
+
+
+def _user_jnp(fn):
+    def lower(ctx, *args, platform, config, **params):
+        return jnp_lowering(lambda *a, **p: fn(*a, config=config, **p))(
+            ctx, *args, platform=platform, config=config, **params)
+    return lower
+
+
+def _register_builtins():
+    for op in ("layer_norm", "rms_norm"):
+        registry.add(registry.Implementation(
+            op, "xla", {"fwd": jnp_lowering(_fwd_reference), "bwd": jnp_lowering(_bwd_reference)},
+            supports=lambda q: True, description="plain jax.numpy, fused by XLA"))
+        registry.add(registry.Implementation(
+            op, "cuda",
+            {"fwd": ffi_lowering("jax_ops_norm_fwd",
+                                 lambda p: {"epsilon": np.float32(p["epsilon"]), "rms": bool(p["rms"])}),
+             "bwd": ffi_lowering("jax_ops_norm_bwd", lambda p: {"rms": bool(p["rms"])})},
+            supports=ffi_supports("jax_ops_norm_fwd"),
+            description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
+        registry.add(registry.Implementation(
+            op, "pallas", {"fwd": pallas_lowering(_pallas_fwd), "bwd": pallas_lowering(_pallas_bwd)},
+            supports=pallas_supports(lambda q: pallas_norm.supports(q.cols)),
+            configs=_pallas_configs, description="Pallas kernels (Triton back end)"))
+        registry.define_user_adapter(op, _user_lowerings(op))
+
+
+_register_builtins()
 
 
 # ------------------------------------------------------------- custom VJP ---
@@ -240,7 +345,7 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 # ------------------------------------------------------------- public API ---
 
 def _prepare(op, x, scale, bias, epsilon, implementation):
-    dispatch.check_name(op, implementation)
+    registry.check_name(op, implementation)
     x = jnp.asarray(x)
     scale = None if scale is None else jnp.asarray(scale)
     bias = None if bias is None else jnp.asarray(bias)
@@ -262,6 +367,7 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementatio
     Statistics and math run in float32; the result has x's dtype.
     """
     x, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
+    implementation = implementation or registry.override_for("layer_norm")
     return _norm(x, scale, bias, float(epsilon), False, implementation)
 
 
@@ -271,4 +377,5 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None
     Same argument rules as `layer_norm` (no bias).
     """
     x, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
+    implementation = implementation or registry.override_for("rms_norm")
     return _norm(x, scale, None, float(epsilon), True, implementation)

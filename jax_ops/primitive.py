@@ -1,7 +1,9 @@
-"""One helper that defines a jax_ops primitive: abstract eval, per-platform lowering
-that picks an implementation (dispatch.choose), eager impl, and batching."""
+"""One helper that defines a jax_ops primitive: abstract eval, eager impl, batching, and
+a lowering per platform that asks jax_ops.dispatch which registered implementation
+serves the call; plus helpers that build the common kinds of Implementation."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -9,44 +11,136 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_ops import dispatch
+from jax_ops import _extension, dispatch, registry
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
+#: primitive -> (stage, op_of(params)); dispatch.explain and autotune read it
+PRIMITIVES: dict[Primitive, tuple[str, Callable[[dict], str]]] = {}
 
-def define_primitive(
-    name: str,
-    *,
-    op: str,
-    abstract_eval: Callable,
-    reference: Callable,
-    ffi_target: str,
-    ffi_attrs: Callable[[dict], dict],
-    batching_rule: Callable | None = None,
-) -> Primitive:
-    """Creates primitive `jax_ops_<name>` with multiple results.
 
-    reference(*args, **params): the jnp implementation ("xla").
-    ffi_target: the XLA FFI target of the "cuda" implementation; ffi_attrs(params)
-      gives its attributes (params that only shape the outputs are left out).
-    Every primitive carries an `implementation` param (None = automatic).
+def query(prim: Primitive, avals, params: dict, platform: str) -> registry.Query:
+    """The dispatch query of one call of `prim` (operand 0 has x's shape and dtype)."""
+    stage, op_of = PRIMITIVES[prim]
+    x = avals[0]
+    return registry.Query(op_of(params), stage, platform, tuple(x.shape), x.dtype.name,
+                          dispatch.device_kind(platform))
+
+
+def op_calls(fn: Callable, *args, **kwargs) -> list[tuple]:
+    """(primitive, operand avals, params) of every jax_ops call in fn(*args, **kwargs), in
+    program order, nested jits, custom_vjp bodies, scans and conds included."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive in PRIMITIVES:
+                calls.append((eqn.primitive, tuple(v.aval for v in eqn.invars), dict(eqn.params)))
+            for v in eqn.params.values():
+                for item in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(item, ClosedJaxpr):
+                        walk(item.jaxpr)
+                    elif isinstance(item, Jaxpr):
+                        walk(item)
+
+    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
+    return calls
+
+
+def default_platform() -> str:
+    """The jax lowering platform of the default backend ("gpu" -> "cuda")."""
+    backend = jax.default_backend()
+    return {"gpu": "cuda"}.get(backend, backend)
+
+
+def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
+                     abstract_eval: Callable, batching_rule: Callable | None = None) -> Primitive:
+    """Creates primitive `jax_ops_<name>` (multiple results) for one stage of an op.
+
+    Every such primitive carries an `implementation` param (None = automatic); the
+    others are passed to the chosen implementation's lowering.
     """
     prim = Primitive(f"jax_ops_{name}")
     prim.multiple_results = True
     prim.def_impl(partial(jax._src.dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
+    PRIMITIVES[prim] = (stage, op_of)
 
     def lowering(ctx, *args, platform, implementation, **params):
-        impl = dispatch.choose(op, implementation, platform, ffi_target)
-        if impl == "xla":
-            return mlir.lower_fun(partial(reference, **params), multiple_results=True)(ctx, *args)
-        return jax.ffi.ffi_lowering(ffi_target)(ctx, *args, **ffi_attrs(params))
+        q = query(prim, ctx.avals_in, params, platform)
+        d = dispatch.choose(q, implementation)
+        lower = registry.get(q.op, d.implementation).lower[stage]
+        return lower(ctx, *args, platform=platform, config=d.config, **params)
 
     for platform in LOWERING_PLATFORMS:
         mlir.register_lowering(prim, partial(lowering, platform=platform), platform=platform)
     if batching_rule is not None:
         batching.primitive_batchers[prim] = batching_rule
     return prim
+
+
+# ------------------------------------------------ kinds of implementations ---
+
+def jnp_lowering(fn: Callable) -> Callable:
+    """Lowering of a JAX-traceable fn(*operands, **params) -> outputs (list/tuple)."""
+    def lower(ctx, *args, platform, config, **params):
+        del platform, config
+        return mlir.lower_fun(partial(fn, **params), multiple_results=True)(ctx, *args)
+    return lower
+
+
+def ffi_lowering(target: str, attrs: Callable[[dict], dict]) -> Callable:
+    """Lowering to XLA FFI custom call `target`; attrs(params) gives its attributes."""
+    def lower(ctx, *args, platform, config, **params):
+        del platform, config
+        return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs(params))
+    return lower
+
+
+def ffi_supports(target: str) -> Callable[[registry.Query], tuple[bool, str]]:
+    def supports(q):
+        if _extension.has_target(q.platform, target):
+            return True, ""
+        why = f"no {target} kernel is registered for platform {q.platform!r}"
+        if _extension.IMPORT_ERROR is not None:
+            why += f" (the jax_ops._ffi extension failed to import: {_extension.IMPORT_ERROR})"
+        return False, why
+    return supports
+
+
+def pallas_lowering(fn: Callable) -> Callable:
+    """Lowering of fn(*operands, config=, interpret=, **params) built on pallas_call:
+    compiled for the GPU on "cuda", run by the Pallas interpreter elsewhere."""
+    def lower(ctx, *args, platform, config, **params):
+        body = partial(fn, config=config, interpret=platform != "cuda", **params)
+        with warnings.catch_warnings():  # the Triton back end's deprecation notice
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            return mlir.lower_fun(body, multiple_results=True)(ctx, *args)
+    return lower
+
+
+def pallas_supports(limit: Callable[[registry.Query], tuple[bool, str]]):
+    """Pallas needs static shapes, and on GPUs the Triton back end's compute capability >= 8.0."""
+    def supports(q):
+        if not q.static:
+            return False, "pallas needs static shapes (symbolic dims under jax.export)"
+        if q.platform not in ("cuda", "cpu"):
+            return False, f"pallas kernels target CUDA GPUs (interpreted on CPU), not {q.platform!r}"
+        if q.platform == "cuda":
+            cc = _compute_capability()
+            if cc is not None and cc < (8, 0):
+                return False, f"pallas (Triton back end) needs compute capability >= 8.0; got {cc}"
+        return limit(q)
+    return supports
+
+
+def _compute_capability():
+    try:
+        d = jax.devices("cuda")[0]
+        return tuple(int(c) for c in str(d.compute_capability).split("."))
+    except Exception:
+        return None
 
 
 def vmap_reference(reference: Callable, args, dims, params):

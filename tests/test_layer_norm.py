@@ -27,13 +27,15 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_ops
-from jax_ops import _extension, dispatch
+from jax_ops import _extension, registry
+from jax_ops.registry import Query
+from pallas_kernels import layer_norm as pallas_norm
 from jax_ops.layer_norm import norm_bwd_p, norm_fwd_p
 
 FWD_TARGET = "jax_ops_norm_fwd"
 BWD_TARGET = "jax_ops_norm_bwd"
 OPS = ("layer_norm", "rms_norm")
-IMPLS = ("xla", "cuda")
+IMPLS = ("xla", "cuda", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
 
@@ -55,7 +57,7 @@ def _lowering_platform() -> str:
 
 
 PLATFORM = _lowering_platform()
-AVAILABLE = dispatch.available(PLATFORM, FWD_TARGET)
+AVAILABLE = jax_ops.implementations("layer_norm", platform=PLATFORM)
 
 
 def need(impl):
@@ -282,6 +284,11 @@ def test_matches_reference(case, impl):
     need(impl)
     x, scale, bias, dy = case.inputs()
     run = fwd_bwd_fn(case.op, impl)
+    if impl == "pallas" and case.shape[-1] > pallas_norm.MAX_COLS:  # refused before any kernel runs
+        with pytest.raises(ValueError, match=rf"implementation='pallas' can't run.*cols <= "
+                                             rf"{pallas_norm.MAX_COLS}.*can: \["):
+            run(x, scale, bias, dy)
+        return
     # Poison: a NaN run first, so buffers the allocator hands out again hold NaN where
     # a kernel forgot to write (the finite/element checks below then fail).
     jax.block_until_ready(run(jnp.full_like(x, jnp.nan), scale, bias, jnp.full_like(dy, jnp.nan)))
@@ -293,31 +300,41 @@ def test_matches_reference(case, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", OPS)
 def test_lowering_uses_the_chosen_implementation(op, impl):
-    """"cuda" lowers to our FFI custom calls (forward and backward), "xla" to none:
-    the matrix above really exercises both paths."""
+    """"cuda" lowers to our FFI custom calls (forward and backward), "pallas" to Triton
+    calls on the GPU (interpreted, plain HLO on CPU), "xla" to neither: the matrix above
+    really exercises every path."""
     need(impl)
     x, scale, _, _ = make_inputs(1, (4, 16), scale_dtype="float32")
-    fn = jax.jit(jax.grad(lambda x, s: jnp.sum(norm(op, x, s, impl=impl) ** 2), argnums=(0, 1)))
-    text = fn.lower(x, scale).as_text()
+    grad = jax.grad(lambda x, s: jnp.sum(norm(op, x, s, impl=impl) ** 2), argnums=(0, 1))
+    text = jax.jit(grad).lower(x, scale).as_text()
     for target in (FWD_TARGET, BWD_TARGET):
         assert (target in text) == (impl == "cuda"), f"{target} in lowering: {target in text}"
+    if PLATFORM == "cuda":
+        assert ("triton" in text) == (impl == "pallas")
+    decisions = jax_ops.explain(grad, x, scale)
+    assert [(d.query.stage, d.implementation) for d in decisions] == [("fwd", impl), ("bwd", impl)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_implementation_none_is_the_automatic_choice(op, dtype):
-    chosen = dispatch.choose(op, None, PLATFORM, FWD_TARGET)
-    # The documented rule: our kernels on CUDA GPUs, XLA everywhere else.
-    assert chosen == ("cuda" if PLATFORM == "cuda" and "cuda" in AVAILABLE else "xla")
     x, scale, bias, dy = make_inputs(seed_of("auto" + op + dtype), (5, 129), dtype, "float32",
                                      "float32" if op == "layer_norm" else None)
+    decisions = jax_ops.explain(lambda *a: fwd_bwd_fn(op, None)(*a), x, scale, bias, dy)
+    chosen = {d.query.stage: d.implementation for d in decisions}
+    assert set(chosen) == {"fwd", "bwd"}
+    if PLATFORM != "cuda":  # the documented rule off the GPU: XLA
+        assert chosen == {"fwd": "xla", "bwd": "xla"}, decisions
+    else:
+        assert set(chosen.values()) <= set(AVAILABLE), decisions
     y, grads = fwd_bwd_fn(op, None)(x, scale, bias, dy)
     check_against_reference(op, x, scale, bias, dy, y, grads)
-    y2, grads2 = fwd_bwd_fn(op, chosen)(x, scale, bias, dy)
-    for a, b in zip(jax.tree.leaves((y, grads)), jax.tree.leaves((y2, grads2))):
-        assert bitwise_equal(a, b), f"implementation=None differs from {chosen!r}"
-    text = jax.jit(lambda x: norm(op, x, impl=None)).lower(x).as_text()
-    assert (FWD_TARGET in text) == (chosen == "cuda")
+    # Bitwise the same as asking for the chosen implementation by name, stage by stage.
+    y2 = norm(op, x, scale, bias, impl=chosen["fwd"])
+    assert bitwise_equal(y, y2), f"implementation=None differs from {chosen['fwd']!r}"
+    _, vjp = jax.vjp(lambda x, s, b: norm(op, x, s, b, impl=chosen["bwd"]), x, scale, bias)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(vjp(dy))):
+        assert bitwise_equal(a, b), f"implementation=None differs from {chosen['bwd']!r}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -682,9 +699,9 @@ def test_nan_row_is_isolated(op, cols, dtype, impl):
         assert bitwise_equal(dbias, dbias_ok)
 
 
-def test_cuda_implementation_is_deterministic():
-    """The hand kernels promise bitwise-reproducible results (no atomics), dscale/dbias included."""
-    impl = "cuda"
+@pytest.mark.parametrize("impl", ["cuda", "pallas"])
+def test_kernels_are_deterministic(impl):
+    """Our kernels promise bitwise-reproducible results (no atomics), dscale/dbias included."""
     need(impl)
     for op in OPS:
         for shape, dtype in (((2048, 1024), "float32"), ((64, 1025), "bfloat16"), ((8, 10000), "float32")):
@@ -731,7 +748,7 @@ ERROR_CASES = [  # id, ops, x, scale, bias, kwargs, exception, message regex
     ("epsilon_string", OPS, jnp.ones((2, 8), f32), None, None, {"epsilon": "1e-5"}, TypeError,
      r"\bepsilon\b.*str"),
     ("implementation_unknown", OPS, jnp.ones((2, 8), f32), None, None, {"implementation": "triton"},
-     ValueError, r"\bimplementation\b.*'triton'.*\['xla', 'cuda'\]"),
+     ValueError, r"\bimplementation\b.*'triton'.*\['xla', 'cuda', 'pallas'\]"),
     ("implementation_case", OPS, jnp.ones((2, 8), f32), None, None, {"implementation": "CUDA"},
      ValueError, r"\bimplementation\b.*'CUDA'"),
 ]
@@ -777,7 +794,7 @@ def test_unavailable_implementation_lists_available(op):
     platform and the implementations available there."""
     platform = next(p for p in ("tpu", "rocm") if not _extension.has_target(p, FWD_TARGET))
     with pytest.raises(ValueError, match=rf"implementation='cuda'.*'{platform}'.*\['xla'\]"):
-        dispatch.choose(op, "cuda", platform, FWD_TARGET)
+        jax_ops.dispatch.choose(Query(op, "fwd", platform, (2, 8), "float32"), "cuda")
     f = jax.jit(lambda x: _err_call(op, x, implementation="cuda"))
     with pytest.raises(ValueError, match=rf"implementation='cuda'.*'{platform}'.*\['xla'\]"):
         jax.export.export(f, platforms=(platform,))(jax.ShapeDtypeStruct((2, 8), jnp.float32))
@@ -785,7 +802,7 @@ def test_unavailable_implementation_lists_available(op):
     g = jax.jit(lambda x: _err_call(op, x, implementation="xla"))
     assert jax.export.export(g, platforms=(platform,))(jax.ShapeDtypeStruct((2, 8), jnp.float32))
     if "cuda" not in AVAILABLE:  # also through the public API on this very platform
-        with pytest.raises(ValueError, match=r"implementation='cuda'.*available there: \['xla'\]"):
+        with pytest.raises(ValueError, match=r"implementation='cuda'.*can: \['xla', 'pallas'\]"):
             _err_call(op, jnp.ones((2, 8), f32), implementation="cuda")
 
 

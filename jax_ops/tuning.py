@@ -1,0 +1,184 @@
+"""jax_ops.autotune: time every implementation (and tunable config) of the ops in a
+function on this device, and keep the winners for later automatic choices.
+
+Cache file: $JAX_OPS_AUTOTUNE_CACHE, else $XDG_CACHE_HOME/jax_ops/autotune.json, else
+~/.cache/jax_ops/autotune.json. JSON: {device kind: {"op|stage|dtype|shape": entry}},
+entry = {"implementation", "config", "us": {candidate: median microseconds}}.
+Entries are exact-shape; other shapes keep using the measured table / heuristics.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ops import dispatch, registry
+from jax_ops.primitive import default_platform, op_calls, query
+
+_CACHE: dict = {"path": None, "mtime": None, "data": {}}
+
+
+def cache_path() -> Path:
+    env = os.environ.get("JAX_OPS_AUTOTUNE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jax_ops" / "autotune.json"
+
+
+def load_cache() -> dict:
+    """The cache file's contents (re-read when the file changes; {} when absent)."""
+    path = cache_path()
+    try:
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    if _CACHE["path"] != path or _CACHE["mtime"] != mtime:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"jax_ops.autotune: ignoring unreadable cache {path}: {e}", file=sys.stderr)
+            data = {}
+        _CACHE.update(path=path, mtime=mtime, data=data)
+    return _CACHE["data"]
+
+
+def _save(data: dict) -> Path:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: concurrent readers see the old or the new file
+    return path
+
+
+# ---------------------------------------------------------- finding calls ---
+
+def find_calls(fn: Callable, *args, **kwargs) -> list[tuple]:
+    """(primitive, operand avals, params) of each distinct jax_ops call in fn(*args)."""
+    found, seen = [], set()
+    for prim, avals, params in op_calls(fn, *args, **kwargs):
+        key = (prim, tuple((a.shape, a.dtype) for a in avals),
+               tuple(sorted((k, str(v)) for k, v in params.items())))
+        if key not in seen:
+            seen.add(key)
+            found.append((prim, avals, params))
+    return found
+
+
+# ----------------------------------------------------------------- timing ---
+
+def _operands(avals, seed: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for a in avals:
+        v = rng.standard_normal(a.shape).astype(np.float32)
+        if a.dtype == jnp.float32 and len(a.shape) < 2:  # statistics / parameters: keep rstd > 0
+            v = np.abs(v) + 0.5
+        out.append(jnp.asarray(v, a.dtype))
+    return out
+
+
+def _timer(platform: str) -> Callable:
+    if platform == "cuda":
+        try:
+            from jax.experimental.mosaic.gpu import profiler
+
+            def cupti(compiled, ops, repeats):
+                measured = profiler.measure(compiled)
+                return [measured(*ops)[1] * 1e3 for _ in range(repeats)]
+            return cupti
+        except Exception:  # CUPTI unavailable: wall clock below
+            pass
+
+    def wall(compiled, ops, repeats):
+        jax.block_until_ready(compiled(*ops))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*ops))
+            times.append((time.perf_counter() - t0) * 1e6)
+        return times
+    return wall
+
+
+def _label(name: str, config: dict | None) -> str:
+    if not config:
+        return name
+    return name + "[" + ",".join(f"{k}={v}" for k, v in sorted(config.items())) + "]"
+
+
+def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None,
+             max_configs: int | None = 12, repeats: int = 10, verbose: bool = True,
+             **kwargs) -> list[dict]:
+    """Times every supporting implementation (and tunable config) of each jax_ops call
+    in fn(*args, **kwargs) on the default device, stores the winners in the cache file
+    and clears jax's caches so that functions compiled from now on use them.
+
+    Pass the function you will run: for training, the one that takes gradients (its
+    backward ops are tuned too). implementations: restrict the candidates by name.
+    Returns one dict per call: query, winner, config and every candidate's time (us).
+    """
+    platform = default_platform()
+    kind = dispatch.device_kind(platform) or platform
+    calls = find_calls(fn, *args, **kwargs)
+    timer = _timer(platform)
+    results = []
+    for n, (prim, avals, params) in enumerate(calls, 1):
+        q = query(prim, avals, params, platform)
+        candidates = []
+        for impl in registry.all_of(q.op):
+            if implementations is not None and impl.name not in implementations:
+                continue
+            if impl.why_not(q) is not None:
+                continue
+            configs = impl.configs(q) if impl.configs is not None else [None]
+            candidates += [(impl.name, c) for c in configs[:max_configs]]
+        ops = _operands(avals, seed=n)
+        bind_params = dict(params, implementation=None)
+        times = {}
+        for name, config in candidates:
+            label = _label(name, config)
+            pins = dispatch._forced()
+            pins[dispatch.cache_key(q)] = (name, config)
+            try:
+                compiled = jax.jit(lambda *a: prim.bind(*a, **bind_params)).lower(*ops).compile()
+                times[label] = (statistics.median(timer(compiled, ops, repeats)), name, config)
+            except Exception as e:  # a config that does not compile/fit is just not a winner
+                if verbose:
+                    print(f"  {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                          file=sys.stderr)
+            finally:
+                pins.pop(dispatch.cache_key(q), None)
+        if not times:
+            continue
+        best_label = min(times, key=lambda k: times[k][0])
+        us, name, config = times[best_label]
+        entry = {"implementation": name, "config": config,
+                 "us": {k: round(v[0], 3) for k, v in sorted(times.items(), key=lambda kv: kv[1][0])}}
+        results.append({"query": q.describe(), "key": dispatch.cache_key(q), **entry})
+        if verbose:
+            print(f"jax_ops.autotune [{n}/{len(calls)}] {q.describe()}: {best_label} {us:.1f}us "
+                  f"({len(times)} candidates; next {', '.join(f'{k} {v[0]:.1f}us' for k, v in sorted(times.items(), key=lambda kv: kv[1][0])[1:4])})",
+                  file=sys.stderr)
+    if results:
+        data = dict(load_cache())
+        bucket = dict(data.get(kind, {}))
+        for r in results:
+            bucket[r["key"]] = {k: r[k] for k in ("implementation", "config", "us")}
+        data[kind] = bucket
+        path = _save(data)
+        if verbose:
+            print(f"jax_ops.autotune: {len(results)} winners saved to {path}", file=sys.stderr)
+        jax.clear_caches()  # compiled functions re-lower and see the winners
+    return results

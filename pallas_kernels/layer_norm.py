@@ -1,0 +1,238 @@
+"""LayerNorm / RMSNorm forward and backward as Pallas kernels (Triton back end).
+
+Layout: x is (rows, cols); one program owns `block_rows` whole rows, held in
+registers as a (block_rows, next_pow2(cols)) tile (Triton tiles must have
+power-of-two sides, so the column tail and the last row block are masked).
+Statistics are two-pass over the on-chip tile (mean, then mean of squared
+deviations), in float32.
+
+Backward: `programs` programs each walk a contiguous range of row blocks,
+write dx, and keep running float32 sums of dy*xhat and dy per column in
+registers; each program stores its sums as one row of the [2, P, cols]
+workspace, and the wrapper adds the P rows (two-stage, no atomics, the same
+result on every run).
+
+Limits: cols <= MAX_COLS (a whole row must fit in one program's registers);
+`supports()` says so and the dispatcher picks another implementation above it.
+Mosaic GPU versus Triton: see docs/design.md ("Pallas back end").
+On CPU the kernels run with interpret=True.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_COLS = 32768  # one row of float32 sums per program: 64 values a thread at 16 warps
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def supports(cols: int) -> tuple[bool, str]:
+    if cols > MAX_COLS:
+        return False, f"pallas keeps a whole row in registers: cols <= {MAX_COLS}, got {cols}"
+    return True, ""
+
+
+# ---------------------------------------------------------------- configs ---
+
+def default_config(rows: int, cols: int, stage: str) -> dict:
+    """Heuristic tile: ~8K elements a program, ~16 elements a thread."""
+    cp = next_pow2(cols)
+    block_rows = max(1, min(64, 8192 // cp, next_pow2(max(rows, 1))))
+    num_warps = max(1, min(16, block_rows * cp // 512))
+    cfg = {"block_rows": block_rows, "num_warps": num_warps}
+    if stage == "bwd":
+        cfg["programs"] = 264  # two per SM on an H100/H200 (132 SMs)
+    return cfg
+
+
+def candidate_configs(rows: int, cols: int, stage: str) -> list[dict]:
+    """The tunable space autotune explores (the default first)."""
+    cp = next_pow2(cols)
+    out = [default_config(rows, cols, stage)]
+    for tile in (2048, 4096, 8192, 16384):
+        block_rows = max(1, min(128, tile // cp))
+        for per_thread in (8, 16, 32):
+            num_warps = block_rows * cp // (32 * per_thread)
+            if not 1 <= num_warps <= 16:
+                continue
+            cfg = {"block_rows": block_rows, "num_warps": num_warps}
+            if stage == "bwd":
+                for programs in (132, 264, 528):
+                    out.append(dict(cfg, programs=programs))
+            else:
+                out.append(cfg)
+    seen, unique = set(), []
+    for c in out:
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    return unique
+
+
+def _compiler_params(num_warps: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+
+
+# ---------------------------------------------------------------- forward ---
+
+def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, with_stats):
+    it = iter(refs)
+    x_ref = next(it)
+    s_ref = next(it) if has_scale else None
+    b_ref = next(it) if has_bias else None
+    y_ref = next(it)
+    mean_ref = next(it) if (with_stats and not rms) else None
+    rstd_ref = next(it) if with_stats else None
+
+    cp = next_pow2(cols)
+    row0 = pl.program_id(0) * block_rows
+    row_ok = row0 + jnp.arange(block_rows) < rows
+    col_ok = jnp.arange(cp) < cols
+    ok = row_ok[:, None] & col_ok[None, :]
+    tile = (pl.ds(row0, block_rows), pl.ds(0, cp))
+
+    x = plgpu.load(x_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
+    if rms:
+        mean = None
+        d = x
+    else:
+        mean = jnp.sum(x, axis=1) / cols
+        d = jnp.where(ok, x - mean[:, None], 0.0)
+    rstd = jax.lax.rsqrt(jnp.sum(d * d, axis=1) / cols + eps)
+    y = d * rstd[:, None]
+    if has_scale:
+        y = y * plgpu.load(s_ref.at[pl.ds(0, cp)], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+    if has_bias:
+        y = y + plgpu.load(b_ref.at[pl.ds(0, cp)], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+    plgpu.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=ok)
+    if mean_ref is not None:
+        plgpu.store(mean_ref.at[pl.ds(row0, block_rows)], mean, mask=row_ok)
+    if rstd_ref is not None:
+        plgpu.store(rstd_ref.at[pl.ds(row0, block_rows)], rstd, mask=row_ok)
+
+
+def norm_fwd(x, scale, bias, *, epsilon: float, rms: bool, with_stats: bool,
+             config: dict | None = None, interpret: bool = False):
+    """x: (rows, cols); scale/bias: (cols,) or None. Returns (y, mean|None, rstd|None)."""
+    rows, cols = x.shape
+    cfg = config or default_config(rows, cols, "fwd")
+    block_rows = cfg["block_rows"]
+    kernel = functools.partial(
+        _fwd_kernel, rows=rows, cols=cols, block_rows=block_rows, eps=float(epsilon), rms=rms,
+        has_scale=scale is not None, has_bias=bias is not None, with_stats=with_stats)
+    out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)]
+    if with_stats and not rms:
+        out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
+    if with_stats:
+        out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
+    operands = [a for a in (x, scale, bias) if a is not None]
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(pl.cdiv(rows, block_rows),),
+        compiler_params=_compiler_params(cfg["num_warps"]), interpret=interpret,
+        name="jax_ops_rms_norm_fwd" if rms else "jax_ops_layer_norm_fwd")(*operands)
+    y = outs[0]
+    mean = outs[1] if (with_stats and not rms) else None
+    rstd = outs[-1] if with_stats else None
+    return y, mean, rstd
+
+
+# --------------------------------------------------------------- backward ---
+
+def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scale, param_grads):
+    it = iter(refs)
+    dy_ref, x_ref = next(it), next(it)
+    mean_ref = None if rms else next(it)
+    rstd_ref = next(it)
+    s_ref = next(it) if has_scale else None
+    dx_ref = next(it)
+    work_ref = next(it) if param_grads else None
+
+    cp = next_pow2(cols)
+    col_ok = jnp.arange(cp) < cols
+    scale = None
+    if has_scale:
+        scale = plgpu.load(s_ref.at[pl.ds(0, cp)], mask=col_ok, other=0.0).astype(jnp.float32)
+    pid = pl.program_id(0)
+
+    def block(i, acc):
+        row0 = (pid * blocks_per_program + i) * block_rows
+        row_ok = row0 + jnp.arange(block_rows) < rows
+        ok = row_ok[:, None] & col_ok[None, :]
+        tile = (pl.ds(row0, block_rows), pl.ds(0, cp))
+        rsl = pl.ds(row0, block_rows)
+        x = plgpu.load(x_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
+        dy = plgpu.load(dy_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
+        rstd = plgpu.load(rstd_ref.at[rsl], mask=row_ok, other=0.0)
+        if rms:
+            xhat = x * rstd[:, None]
+        else:
+            mean = plgpu.load(mean_ref.at[rsl], mask=row_ok, other=0.0)
+            xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * scale[None, :] if has_scale else dy
+        # Padded entries have dy = 0, so g, g*xhat and dy*xhat vanish there.
+        mean_gx = jnp.sum(g * xhat, axis=1) / cols
+        dx = g - xhat * mean_gx[:, None]
+        if not rms:
+            dx = dx - (jnp.sum(g, axis=1) / cols)[:, None]
+        dx = dx * rstd[:, None]
+        plgpu.store(dx_ref.at[tile], dx.astype(dx_ref.dtype), mask=ok)
+        if param_grads:
+            acc_s, acc_b = acc
+            return acc_s + jnp.sum(dy * xhat, axis=0), acc_b + jnp.sum(dy, axis=0)
+        return acc
+
+    if param_grads:
+        zeros = jnp.zeros((cp,), jnp.float32)
+        acc_s, acc_b = jax.lax.fori_loop(0, blocks_per_program, block, (zeros, zeros))
+        # Unit slices, not integer indices: interpret mode can't discharge a store at a
+        # Python-int index. Row pid of work[0] gets the dy*xhat sums, of work[1] the dy sums.
+        sums = jnp.stack([acc_s, acc_b])[:, None, :]
+        plgpu.store(work_ref.at[pl.ds(0, 2), pl.ds(pid, 1), pl.ds(0, cp)], sums,
+                    mask=jnp.broadcast_to(col_ok, sums.shape))
+    else:
+        jax.lax.fori_loop(0, blocks_per_program, block, 0)
+
+
+def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...],
+             config: dict | None = None, interpret: bool = False):
+    """dy, x: (rows, cols); mean (LayerNorm only), rstd: (rows,) float32; scale: (cols,) or None.
+
+    work_shape: the primitive's [2, P, cols] workspace, or (0,) when no parameter
+    gradients are wanted. Returns (dx, dscale_f32|None, dbias_f32|None, work).
+    """
+    rows, cols = x.shape
+    cfg = config or default_config(rows, cols, "bwd")
+    block_rows = cfg["block_rows"]
+    n_blocks = pl.cdiv(rows, block_rows)
+    param_grads = work_shape != (0,)
+    if param_grads:
+        programs = max(1, min(cfg["programs"], work_shape[1], n_blocks))
+        blocks_per_program = pl.cdiv(n_blocks, programs)
+        programs = pl.cdiv(n_blocks, blocks_per_program)
+    else:  # no partial sums to keep: one program per row block
+        programs, blocks_per_program = n_blocks, 1
+    kernel = functools.partial(
+        _bwd_kernel, rows=rows, cols=cols, block_rows=block_rows,
+        blocks_per_program=blocks_per_program, rms=rms, has_scale=scale is not None,
+        param_grads=param_grads)
+    out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)]
+    if param_grads:  # only rows [0, programs) of the workspace are written and read
+        out_shape.append(jax.ShapeDtypeStruct(work_shape, jnp.float32))
+    operands = [dy, x] + ([] if rms else [mean]) + [rstd] + ([] if scale is None else [scale])
+    outs = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(programs,),
+        compiler_params=_compiler_params(cfg["num_warps"]), interpret=interpret,
+        name="jax_ops_rms_norm_bwd" if rms else "jax_ops_layer_norm_bwd")(*operands)
+    if not param_grads:
+        return outs[0], None, None, None
+    work = outs[1]
+    sums = jnp.sum(work[:, :programs], axis=1)
+    return outs[0], sums[0], sums[1], work

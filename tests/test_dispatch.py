@@ -1,0 +1,282 @@
+"""The implementation registry and the automatic choice: use(), implementations(),
+register_implementation(), explain(), measured tables, autotune and its cache."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ops
+from jax_ops import dispatch, registry, tuning
+from jax_ops.registry import Query
+from jax_ops.primitive import default_platform
+
+PLATFORM = default_platform()
+
+
+def _inputs(shape=(6, 40), dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape) * 2 + 1, dtype)
+    s = jnp.asarray(rng.standard_normal(shape[-1:]) + 1, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(shape[-1:]), jnp.float32)
+    return x, s, b
+
+
+def _loss(x, s, b):
+    return jnp.sum(jax_ops.layer_norm(x, s, b).astype(jnp.float32) ** 2)
+
+
+def _choices(fn, *args):
+    return [(d.query.op, d.query.stage, d.implementation) for d in jax_ops.explain(fn, *args)]
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    path = tmp_path / "autotune.json"
+    monkeypatch.setenv("JAX_OPS_AUTOTUNE_CACHE", str(path))
+    return path
+
+
+def test_implementations_lists_builtins_and_filters_by_support():
+    assert jax_ops.implementations("layer_norm")[:3] == ["xla", "cuda", "pallas"]
+    assert "pallas" in jax_ops.implementations("rms_norm", platform="cpu", shape=(4, 1024))
+    assert "pallas" not in jax_ops.implementations("rms_norm", platform="cpu", shape=(4, 65536))
+    assert jax_ops.implementations("layer_norm", platform="tpu") == ["xla"]
+    with pytest.raises(ValueError, match=r"unknown op 'softmaxx'"):
+        jax_ops.implementations("softmaxx")
+
+
+def test_use_overrides_and_retraces_under_jit():
+    x, s, b = _inputs()
+    grad = jax.jit(jax.grad(_loss, argnums=(0, 1, 2)))
+    ref = grad(x, s, b)  # traced and compiled outside the scope: automatic choice
+    assert {c[2] for c in _choices(jax.grad(_loss), x, s, b)} == {"xla"} or PLATFORM == "cuda"
+    with jax_ops.use("pallas"):
+        assert _choices(jax.grad(_loss), x, s, b) == [("layer_norm", "fwd", "pallas"),
+                                                      ("layer_norm", "bwd", "pallas")]
+        inside = grad(x, s, b)  # the same jitted function is traced again for the scope
+        text = grad.lower(x, s, b).as_text()
+    with jax_ops.use(layer_norm="cuda"):
+        if "cuda" in jax_ops.implementations("layer_norm", platform=PLATFORM):
+            assert "jax_ops_norm_fwd" in grad.lower(x, s, b).as_text()
+        with jax_ops.use(rms_norm="xla"):  # nested: merges per op
+            assert registry.override_for("layer_norm") == "cuda"
+            assert registry.override_for("rms_norm") == "xla"
+    assert "jax_ops_norm_fwd" not in text
+    assert registry.override_for("layer_norm") is None
+    for a, r in zip(inside, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=2e-5)
+    # An explicit argument beats the scope.
+    with jax_ops.use("pallas"):
+        f = lambda x: jax_ops.layer_norm(x, implementation="xla")
+        assert _choices(f, x) == [("layer_norm", "fwd", "xla")]
+
+
+def test_use_rejects_unknown_names():
+    with pytest.raises(ValueError, match=r"no op has an implementation named 'tritonn'"):
+        with jax_ops.use("tritonn"):
+            pass
+    with pytest.raises(ValueError, match=r"layer_norm: unknown implementation='fast'"):
+        with jax_ops.use(layer_norm="fast"):
+            pass
+
+
+def test_environment_variable_override(monkeypatch):
+    assert registry._parse_override("pallas") == (("*", "pallas"),)
+    assert registry._parse_override("rms_norm=cuda, layer_norm=xla") == (
+        ("layer_norm", "xla"), ("rms_norm", "cuda"))
+
+
+def test_explain_reports_each_call_and_reason(capsys, monkeypatch):
+    x, s, b = _inputs((3, 5, 64), jnp.bfloat16)
+
+    def model(x, s, b):
+        h = jax_ops.layer_norm(x, s, b)
+        return jax_ops.rms_norm(h, s, implementation="pallas")
+
+    out = jax_ops.explain(jax.grad(lambda *a: jnp.sum(model(*a).astype(jnp.float32)), argnums=(0, 1)), x, s, b)
+    got = [(d.query.op, d.query.stage, d.implementation) for d in out]
+    auto = "xla" if PLATFORM != "cuda" else got[0][2]
+    assert got == [("layer_norm", "fwd", auto), ("rms_norm", "fwd", "pallas"),
+                   ("rms_norm", "bwd", "pallas"), ("layer_norm", "bwd", got[3][2])]
+    text = str(out)
+    assert "rms_norm fwd bfloat16[3,5,64]" in text and "asked for" in text
+    if PLATFORM != "cuda":
+        assert "heuristic: XLA on cpu" in text
+    assert str(jax_ops.explain(lambda x: x + 1, x)).startswith("jax_ops.explain: no jax_ops ops")
+    # The environment switch prints decisions as functions are lowered.
+    monkeypatch.setenv("JAX_OPS_EXPLAIN", "1")
+    jax.jit(lambda x: jax_ops.rms_norm(x * 3.0)).lower(x)
+    assert "jax_ops: rms_norm fwd bfloat16[3,5,64]" in capsys.readouterr().err
+
+
+def test_explicit_choice_that_cannot_serve_the_shape_says_why():
+    x = jnp.ones((2, 40000), jnp.float32)
+    with pytest.raises(ValueError, match=r"implementation='pallas' can't run layer_norm fwd "
+                                         r"float32\[2,40000\].*cols <= 32768.*can: \[.*'xla'"):
+        jax_ops.layer_norm(x, implementation="pallas")
+    # The automatic choice skips it.
+    assert "pallas" not in {d.implementation for d in jax_ops.explain(jax_ops.layer_norm, x)}
+
+
+# ---------------------------------------------------- user implementations ---
+
+def test_register_implementation_forward_only():
+    calls = []
+
+    def my_layer_norm(x, scale, bias, *, epsilon):
+        """a two-pass jnp LayerNorm"""
+        calls.append(x.shape)
+        xf = x.astype(jnp.float32)
+        mu = xf.mean(-1, keepdims=True)
+        y = (xf - mu) * jax.lax.rsqrt(((xf - mu) ** 2).mean(-1, keepdims=True) + epsilon)
+        return (y * scale + bias).astype(x.dtype)
+
+    jax_ops.register_implementation("layer_norm", "mine", my_layer_norm)
+    try:
+        assert "mine" in jax_ops.implementations("layer_norm")
+        x, s, b = _inputs((2, 3, 48))
+        got = jax.grad(_loss, argnums=(0, 1, 2))
+        ref = jax.jit(got)(x, s, b)
+        with jax_ops.use(layer_norm="mine"):
+            choices = jax_ops.explain(got, x, s, b)
+            out = jax.jit(got)(x, s, b)
+        assert [d.implementation for d in choices][0] == "mine"
+        assert "has no bwd stage; automatic" in str(choices[1])  # backward chosen automatically
+        assert calls and calls[-1] == (6, 48)  # fn sees (rows, cols)
+        for a, r in zip(out, ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5)
+        y = jax_ops.layer_norm(x, s, b, implementation="mine")
+        np.testing.assert_allclose(np.asarray(y), np.asarray(jax_ops.layer_norm(x, s, b)), rtol=1e-5, atol=1e-5)
+    finally:
+        jax_ops.unregister_implementation("layer_norm", "mine")
+    assert "mine" not in jax_ops.implementations("layer_norm")
+
+
+def test_register_implementation_with_backward_supports_and_prefer():
+    def fwd(x, scale, *, epsilon):  # rms_norm: returns (y, rstd) so no statistics are recomputed
+        xf = x.astype(jnp.float32)
+        rstd = jax.lax.rsqrt(jnp.mean(xf * xf, -1) + epsilon)
+        return (xf * rstd[:, None] * scale).astype(x.dtype), rstd
+
+    def bwd(dy, x, mean, rstd, scale):
+        assert mean is None
+        xf, g = x.astype(jnp.float32), dy.astype(jnp.float32) * scale
+        xhat = xf * rstd[:, None]
+        dx = rstd[:, None] * (g - xhat * jnp.mean(g * xhat, -1, keepdims=True))
+        return dx, jnp.sum(dy.astype(jnp.float32) * xhat, 0)
+
+    jax_ops.register_implementation("rms_norm", "user_rms", fwd, backward=bwd, prefer=True,
+                                    supports=lambda q: (q.cols % 16 == 0, "cols must be a multiple of 16"))
+    try:
+        x, s, _ = _inputs((5, 64))
+        loss = lambda x, s: jnp.sum(jax_ops.rms_norm(x, s) ** 2)
+        assert [d.implementation for d in jax_ops.explain(jax.grad(loss, (0, 1)), x, s)] == ["user_rms"] * 2
+        dx, ds = jax.grad(loss, (0, 1))(x, s)
+        rdx, rds = jax.grad(lambda x, s: jnp.sum(jax_ops.rms_norm(x, s, implementation="xla") ** 2), (0, 1))(x, s)
+        np.testing.assert_allclose(np.asarray(dx), np.asarray(rdx), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(ds), np.asarray(rds), rtol=1e-5, atol=1e-5)
+        x2, s2, _ = _inputs((5, 60))  # refused by supports(): automatic choice passes it by
+        assert "user_rms" not in {d.implementation for d in jax_ops.explain(loss, x2, s2)}
+        with pytest.raises(ValueError, match=r"'user_rms' can't run.*multiple of 16"):
+            jax_ops.rms_norm(x2, s2, implementation="user_rms")
+    finally:
+        jax_ops.unregister_implementation("rms_norm", "user_rms")
+
+
+def test_register_implementation_errors():
+    with pytest.raises(ValueError, match=r"'cuda' is a built-in implementation"):
+        jax_ops.register_implementation("layer_norm", "cuda", lambda x, s, b, *, epsilon: x)
+    with pytest.raises(ValueError, match=r"name must be an identifier"):
+        jax_ops.register_implementation("layer_norm", "my impl", lambda x, s, b, *, epsilon: x)
+    with pytest.raises(ValueError, match=r"unknown op 'layernorm'"):
+        jax_ops.register_implementation("layernorm", "mine", lambda x, s, b, *, epsilon: x)
+    with pytest.raises(ValueError, match=r"'xla' is built in"):
+        jax_ops.unregister_implementation("layer_norm", "xla")
+
+
+# -------------------------------------------------------- measured tables ---
+
+def _table(kind, entries):
+    return {"device_kind": kind, "command": "test", "_path": "test.json", "entries": entries}
+
+
+def _entry(op, stage, dtype, rows, cols, **us):
+    return {"op": op, "stage": stage, "dtype": dtype, "rows": rows, "cols": cols, "us": us}
+
+
+def test_table_lookup_picks_nearest_entry_fastest_supported(monkeypatch):
+    table = _table("NVIDIA H200", [
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=10.0, cuda=8.0, pallas=9.0),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 4096, xla=50.0, cuda=45.0, pallas=40.0),
+        _entry("layer_norm", "bwd", "bfloat16", 49152, 4096, xla=90.0, cuda=60.0, pallas=70.0),
+    ])
+    monkeypatch.setattr(dispatch, "_tables", lambda: (table,))
+    assert dispatch.table_for("NVIDIA H200") is table
+    assert dispatch.table_for("NVIDIA H200 NVL") is table  # same model
+    assert dispatch.table_for("NVIDIA A100-SXM4-80GB") is None
+    impls = {i.name: i for i in registry.all_of("layer_norm")}
+
+    def pick(stage, cols, names=("xla", "cuda", "pallas"), dtype="bfloat16"):
+        q = Query("layer_norm", stage, "cuda", (8192, cols), dtype, "NVIDIA H200")
+        return dispatch._from_table(q, {n: impls[n] for n in names})
+
+    assert pick("fwd", 300)[0] == "cuda"
+    assert pick("fwd", 3000)[0] == "pallas"
+    assert pick("fwd", 3000, names=("xla", "cuda"))[0] == "cuda"
+    assert pick("bwd", 8192)[0] == "cuda"
+    assert "measured table test.json at bfloat16[49152,4096]: pallas 40.0us, cuda 45.0us" in pick("fwd", 5000)[1]
+    assert pick("fwd", 300, dtype="float32")[0] == "cuda"  # other dtype: nearest still
+
+
+def test_shipped_tables_are_well_formed():
+    tables = dispatch._tables()
+    for t in tables:
+        assert t["device_kind"] and t["command"] and t["entries"], t["_path"]
+        for e in t["entries"]:
+            assert e["stage"] in ("fwd", "bwd") and e["op"] in registry.ops()
+            assert set(e["us"]) <= set(jax_ops.IMPLEMENTATIONS) and min(e["us"].values()) > 0
+
+
+# --------------------------------------------------------------- autotune ---
+
+def test_autotune_times_candidates_and_caches_winners(tmp_cache, capsys):
+    x, s, b = _inputs((16, 64))
+    grad = jax.grad(_loss, argnums=(0, 1, 2))
+    results = jax_ops.autotune(grad, x, s, b, implementations=("xla", "pallas"), max_configs=2,
+                               repeats=2)
+    assert [r["query"].split(" ")[:2] for r in results] == [["layer_norm", "fwd"], ["layer_norm", "bwd"]]
+    for r in results:
+        assert r["implementation"] in ("xla", "pallas")
+        assert len(r["us"]) == 3 and min(r["us"].values()) == r["us"][next(iter(r["us"]))]
+    err = capsys.readouterr().err
+    assert "jax_ops.autotune [1/2] layer_norm fwd float32[16,64]" in err and "saved to" in err
+    data = json.loads(tmp_cache.read_text())
+    kind = dispatch.device_kind(PLATFORM)
+    assert set(data[kind]) == {"layer_norm|fwd|float32|16,64", "layer_norm|bwd|float32|16,64"}
+    # Later automatic choices follow the cache...
+    decisions = jax_ops.explain(grad, x, s, b)
+    assert [d.implementation for d in decisions] == [r["implementation"] for r in results]
+    assert all(d.reason == "autotune cache" for d in decisions)
+    # ...with the tuned config, and only for that exact shape.
+    assert decisions[0].config == results[0]["config"]
+    other = jax_ops.explain(grad, *_inputs((16, 65)))
+    assert all(d.reason != "autotune cache" for d in other)
+    # A hand-edited cache entry steers the choice (and is bitwise what it names).
+    data[kind]["layer_norm|fwd|float32|16,64"] = {"implementation": "pallas", "config": {"block_rows": 4, "num_warps": 1}, "us": {}}
+    tmp_cache.write_text(json.dumps(data))
+    d = jax_ops.explain(jax_ops.layer_norm, x, s, b)[0]
+    assert (d.implementation, d.config) == ("pallas", {"block_rows": 4, "num_warps": 1})
+    y = jax.jit(jax_ops.layer_norm)(x, s, b)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jax_ops.layer_norm(x, s, b, implementation="pallas")))
+
+
+def test_autotune_cache_unreadable_is_ignored(tmp_cache, capsys):
+    tmp_cache.write_text("{not json")
+    x, s, b = _inputs()
+    assert jax_ops.explain(jax_ops.layer_norm, x, s, b)[0].reason != "autotune cache"
+    assert "ignoring unreadable cache" in capsys.readouterr().err
+    assert tuning.cache_path() == tmp_cache
