@@ -9,6 +9,8 @@
 2. jax_ops.bench over the same shapes with cuda, pallas (default config), xla and auto:
    its "auto/best" summary shows what the tuned automatic choice gives; compare with a
    bench run without the cache (the "verify" step of gpu_session.sh).
+   --skip-bench instead compares, within autotune's own timings, the winner with what
+   the measured table picks (that implementation at its default config).
 """
 from __future__ import annotations
 
@@ -21,9 +23,44 @@ os.environ.setdefault("JAX_OPS_AUTOTUNE_CACHE", "/tmp/jax_ops_autotune.json")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import jax_ops  # noqa: E402
 from jax_ops import bench, tuning  # noqa: E402
+
+
+def print_vs_table(results) -> None:
+    """Autotune's winner vs the measured table's choice, both timed by autotune."""
+    from jax_ops import dispatch, registry
+    from jax_ops.primitive import default_platform
+    kind = dispatch.device_kind(default_platform())
+    print(f"\nautotune winner vs the measured table's choice ({kind}), autotune's timings (us)")
+    print(f"{'query':<44} {'table pick':>10} {'its us':>8} {'winner':>36} {'us':>8} {'ratio':>6}")
+    ratios = []
+    for r in results:
+        op, stage, rest = r["query"].split(" ", 2)
+        dtype, dims = rest.split("[", 1)
+        shape = tuple(int(d) for d in dims.split("]")[0].split(","))
+        q = registry.Query(op, stage, "cuda", shape, dtype, kind)
+        ok = {i.name: i for i in registry.all_of(op) if i.why_not(q) is None}
+        picked = dispatch._from_table(q, ok)
+        if picked is None:
+            continue
+        name = picked[0]
+        impl = registry.get(op, name)
+        default = impl.default_config(q)
+        label = name if not default else name + "[" + ",".join(
+            f"{k}={v}" for k, v in sorted(default.items())) + "]"
+        if label not in r["us"]:
+            continue
+        win_label = min(r["us"], key=r["us"].get)
+        ratio = r["us"][win_label] / r["us"][label]
+        ratios.append(ratio)
+        print(f"{r['query']:<44} {name:>10} {r['us'][label]:>8.1f} {win_label:>36} "
+              f"{r['us'][win_label]:>8.1f} {ratio:>6.3f}")
+    if ratios:
+        print(f"winner/table pick: geometric mean {float(np.exp(np.mean(np.log(ratios)))):.3f}, "
+              f"worst {max(ratios):.3f} (<= 1: autotune improves or matches)")
 
 
 def main() -> int:
@@ -36,6 +73,7 @@ def main() -> int:
     if os.path.exists(tuning.cache_path()):
         os.remove(tuning.cache_path())
     t0 = time.time()
+    results = []
     for op in ("layer_norm", "rms_norm"):
         for cols in map(int, a.cols.split(",")):
             k = jax.random.split(jax.random.key(cols), 3)
@@ -49,9 +87,10 @@ def main() -> int:
                 loss = lambda x, s: jnp.sum(jax_ops.rms_norm(x, s).astype(jnp.float32))
                 args = (x, s)
             grad = jax.grad(loss, argnums=tuple(range(len(args))))
-            jax_ops.autotune(grad, *args, max_configs=a.max_configs, repeats=5)
+            results += jax_ops.autotune(grad, *args, max_configs=a.max_configs, repeats=5)
     print(f"autotune: {time.time() - t0:.0f} s for {len(a.cols.split(',')) * 2} shapes "
           f"(forward and backward), cache {tuning.cache_path()}", flush=True)
+    print_vs_table(results)
     if a.skip_bench:
         return 0
     for op in ("layer_norm", "rms_norm"):

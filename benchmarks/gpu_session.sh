@@ -44,7 +44,8 @@ for step in $steps; do
     # Writes the dispatch table of this GPU (the auto column of this run still uses the old one).
     table) bench table --table "$table" --check; cp "$table" "$L/" ;;
     # Measures again: auto now reads the table just written.
-    verify) bench verify ;;
+    verify) bench verify --impl cuda,pallas,xla,auto --max-sets 48 ;;
+    autotune-quick) python3 benchmarks/autotune_check.py --skip-bench 2>&1 | tee "$L/autotune.txt" | grep -v "^  \|jax_ops.autotune \[" | tail -60 ;;
     autotune) python3 benchmarks/autotune_check.py 2>&1 | tee "$L/autotune.txt" | tail -40 ;;
     bench-ln) python3 -m jax_ops.bench --op layer_norm --mode fwd,fwd_bwd,bwd --check --json "$L/layer_norm.json" 2>&1 | tee "$L/layer_norm.txt" ;;
     bench-rms) python3 -m jax_ops.bench --op rms_norm --mode fwd,fwd_bwd,bwd --check --json "$L/rms_norm.json" 2>&1 | tee "$L/rms_norm.txt" ;;

@@ -194,9 +194,10 @@ def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scal
         acc_s, acc_b = jax.lax.fori_loop(0, blocks_per_program, block, (zeros, zeros))
         # Unit slices, not integer indices: interpret mode can't discharge a store at a
         # Python-int index. Row pid of work[0] gets the dy*xhat sums, of work[1] the dy sums.
-        sums = jnp.stack([acc_s, acc_b])[:, None, :]
-        plgpu.store(work_ref.at[pl.ds(0, 2), pl.ds(pid, 1), pl.ds(0, cp)], sums,
-                    mask=jnp.broadcast_to(col_ok, sums.shape))
+        mask = col_ok[None, None, :]
+        for i, acc in enumerate((acc_s, acc_b)):
+            plgpu.store(work_ref.at[pl.ds(i, 1), pl.ds(pid, 1), pl.ds(0, cp)], acc[None, None, :],
+                        mask=mask)
     else:
         jax.lax.fori_loop(0, blocks_per_program, block, 0)
 
