@@ -38,10 +38,8 @@ def print_vs_table(results) -> None:
     print(f"{'query':<44} {'table pick':>10} {'its us':>8} {'winner':>36} {'us':>8} {'ratio':>6}")
     ratios = []
     for r in results:
-        op, stage, rest = r["query"].split(" ", 2)
-        dtype, dims = rest.split("[", 1)
-        shape = tuple(int(d) for d in dims.split("]")[0].split(","))
-        q = registry.Query(op, stage, "cuda", shape, dtype, kind)
+        q = r["q"]
+        op = q.op
         ok = {i.name: i for i in registry.all_of(op) if i.why_not(q) is None}
         picked = dispatch._from_table(q, ok)
         if picked is None:

@@ -8,7 +8,9 @@ static shapes, in this order:
 3. measured table: jax_ops/tables/<gpu>.json, written by the benchmark
    (`jax-ops-bench --table ...`; the command is recorded in each file). The entry of
    the same op/stage/dtype nearest in (log cols, log rows) gives each
-   implementation's time; the fastest one that supports the call wins.
+   implementation's time; the fastest one that supports the call wins. Stages:
+   "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
+   statistics; timed as fwd_bwd - bwd) and "bwd".
 4. heuristics, for GPUs without a table and for other platforms:
    - a user implementation registered with prefer=True, where it is supported;
    - cuda platform: "cuda" (the hand kernels) where built, else "pallas", else "xla";
@@ -111,7 +113,9 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     table = table_for(q.device_kind)
     if table is None or q.cols is None:
         return None
-    entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.stage]
+    entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.table_stage]
+    if not entries:  # e.g. no training-forward times: the plain forward's
+        entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.stage]
     entries = [e for e in entries if any(n in candidates for n in e["us"])]
     if not entries:
         return None
@@ -135,7 +139,7 @@ def _forced() -> dict:
 
 
 def cache_key(q: Query) -> str:
-    return f"{q.op}|{q.stage}|{q.dtype}|{','.join(str(d) for d in q.shape)}"
+    return f"{q.op}|{q.table_stage}|{q.dtype}|{','.join(str(d) for d in q.shape)}"
 
 
 def _from_autotune(q: Query) -> dict | None:

@@ -123,7 +123,8 @@ def _op_of(params) -> str:
 
 
 norm_fwd_p = define_primitive("norm_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
-                              batching_rule=_fwd_batch)
+                              batching_rule=_fwd_batch,
+                              variant_of=lambda p: "stats" if p["with_stats"] else "")
 
 
 # --------------------------------------------------------------- backward ---

@@ -15,16 +15,16 @@ from jax_ops import _extension, dispatch, registry
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-#: primitive -> (stage, op_of(params)); dispatch.explain and autotune read it
-PRIMITIVES: dict[Primitive, tuple[str, Callable[[dict], str]]] = {}
+#: primitive -> (stage, op_of(params), variant_of(params)); dispatch.explain and autotune read it
+PRIMITIVES: dict[Primitive, tuple[str, Callable[[dict], str], Callable[[dict], str]]] = {}
 
 
 def query(prim: Primitive, avals, params: dict, platform: str) -> registry.Query:
     """The dispatch query of one call of `prim` (operand 0 has x's shape and dtype)."""
-    stage, op_of = PRIMITIVES[prim]
+    stage, op_of, variant_of = PRIMITIVES[prim]
     x = avals[0]
     return registry.Query(op_of(params), stage, platform, tuple(x.shape), x.dtype.name,
-                          dispatch.device_kind(platform))
+                          dispatch.device_kind(platform), variant_of(params))
 
 
 def op_calls(fn: Callable, *args, **kwargs) -> list[tuple]:
@@ -55,8 +55,12 @@ def default_platform() -> str:
 
 
 def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
-                     abstract_eval: Callable, batching_rule: Callable | None = None) -> Primitive:
+                     abstract_eval: Callable, batching_rule: Callable | None = None,
+                     variant_of: Callable[[dict], str] = lambda params: "") -> Primitive:
     """Creates primitive `jax_ops_<name>` (multiple results) for one stage of an op.
+
+    variant_of(params) names a flavour of the stage that the measured tables time
+    separately (a training forward that also writes statistics: "stats").
 
     Every such primitive carries an `implementation` param (None = automatic); the
     others are passed to the chosen implementation's lowering.
@@ -65,7 +69,7 @@ def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
     prim.multiple_results = True
     prim.def_impl(partial(jax._src.dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    PRIMITIVES[prim] = (stage, op_of)
+    PRIMITIVES[prim] = (stage, op_of, variant_of)
 
     def lowering(ctx, *args, platform, implementation, **params):
         q = query(prim, ctx.avals_in, params, platform)

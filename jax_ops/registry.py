@@ -33,6 +33,7 @@ class Query:
     shape: tuple                 # x's shape (dims may be symbolic under jax.export)
     dtype: str                   # x's dtype name
     device_kind: str | None = None  # e.g. "NVIDIA H200"; None when unknown (CPU, export)
+    variant: str = ""            # e.g. "stats": a training forward that also writes statistics
 
     @property
     def static(self) -> bool:
@@ -49,7 +50,13 @@ class Query:
 
     def describe(self) -> str:
         dims = ",".join(str(d) for d in self.shape)
-        return f"{self.op} {self.stage} {self.dtype}[{dims}] on {self.platform}"
+        stage = f"{self.stage}+{self.variant}" if self.variant else self.stage
+        return f"{self.op} {stage} {self.dtype}[{dims}] on {self.platform}"
+
+    @property
+    def table_stage(self) -> str:
+        """The stage name in measured tables: "fwd", "fwd_stats", "bwd"."""
+        return f"{self.stage}_{self.variant}" if self.variant else self.stage
 
 
 Supports = Callable[[Query], "tuple[bool, str] | bool"]

@@ -166,7 +166,7 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None,
         us, name, config = times[best_label]
         entry = {"implementation": name, "config": config,
                  "us": {k: round(v[0], 3) for k, v in sorted(times.items(), key=lambda kv: kv[1][0])}}
-        results.append({"query": q.describe(), "key": dispatch.cache_key(q), **entry})
+        results.append({"query": q.describe(), "key": dispatch.cache_key(q), "q": q, **entry})
         if verbose:
             print(f"jax_ops.autotune [{n}/{len(calls)}] {q.describe()}: {best_label} {us:.1f}us "
                   f"({len(times)} candidates; next {', '.join(f'{k} {v[0]:.1f}us' for k, v in sorted(times.items(), key=lambda kv: kv[1][0])[1:4])})",

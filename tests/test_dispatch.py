@@ -103,7 +103,7 @@ def test_explain_reports_each_call_and_reason(capsys, monkeypatch):
     assert got == [("layer_norm", "fwd", auto), ("rms_norm", "fwd", "pallas"),
                    ("rms_norm", "bwd", "pallas"), ("layer_norm", "bwd", got[3][2])]
     text = str(out)
-    assert "rms_norm fwd bfloat16[3,5,64]" in text and "asked for" in text
+    assert "rms_norm fwd+stats bfloat16[3,5,64]" in text and "asked for" in text
     if PLATFORM != "cuda":
         assert "heuristic: XLA on cpu" in text
     assert str(jax_ops.explain(lambda x: x + 1, x)).startswith("jax_ops.explain: no jax_ops ops")
@@ -230,6 +230,11 @@ def test_table_lookup_picks_nearest_entry_fastest_supported(monkeypatch):
     assert pick("bwd", 8192)[0] == "cuda"
     assert "measured table test.json at bfloat16[49152,4096]: pallas 40.0us, cuda 45.0us" in pick("fwd", 5000)[1]
     assert pick("fwd", 300, dtype="float32")[0] == "cuda"  # other dtype: nearest still
+    # The training forward has its own entries where measured, else the plain forward's.
+    q = Query("layer_norm", "fwd", "cuda", (8192, 4096), "bfloat16", "NVIDIA H200", "stats")
+    assert dispatch._from_table(q, impls)[0] == "pallas"
+    table["entries"].append(_entry("layer_norm", "fwd_stats", "bfloat16", 49152, 4096, xla=70.0, cuda=50.0, pallas=60.0))
+    assert dispatch._from_table(q, impls)[0] == "cuda"
 
 
 def test_shipped_tables_are_well_formed():
@@ -237,7 +242,7 @@ def test_shipped_tables_are_well_formed():
     for t in tables:
         assert t["device_kind"] and t["command"] and t["entries"], t["_path"]
         for e in t["entries"]:
-            assert e["stage"] in ("fwd", "bwd") and e["op"] in registry.ops()
+            assert e["stage"] in ("fwd", "fwd_stats", "bwd") and e["op"] in registry.ops()
             assert set(e["us"]) <= set(jax_ops.IMPLEMENTATIONS) and min(e["us"].values()) > 0
 
 
@@ -248,15 +253,15 @@ def test_autotune_times_candidates_and_caches_winners(tmp_cache, capsys):
     grad = jax.grad(_loss, argnums=(0, 1, 2))
     results = jax_ops.autotune(grad, x, s, b, implementations=("xla", "pallas"), max_configs=2,
                                repeats=2)
-    assert [r["query"].split(" ")[:2] for r in results] == [["layer_norm", "fwd"], ["layer_norm", "bwd"]]
+    assert [r["query"].split(" ")[:2] for r in results] == [["layer_norm", "fwd+stats"], ["layer_norm", "bwd"]]
     for r in results:
         assert r["implementation"] in ("xla", "pallas")
         assert len(r["us"]) == 3 and min(r["us"].values()) == r["us"][next(iter(r["us"]))]
     err = capsys.readouterr().err
-    assert "jax_ops.autotune [1/2] layer_norm fwd float32[16,64]" in err and "saved to" in err
+    assert "jax_ops.autotune [1/2] layer_norm fwd+stats float32[16,64]" in err and "saved to" in err
     data = json.loads(tmp_cache.read_text())
     kind = dispatch.device_kind(PLATFORM)
-    assert set(data[kind]) == {"layer_norm|fwd|float32|16,64", "layer_norm|bwd|float32|16,64"}
+    assert set(data[kind]) == {"layer_norm|fwd_stats|float32|16,64", "layer_norm|bwd|float32|16,64"}
     # Later automatic choices follow the cache...
     decisions = jax_ops.explain(grad, x, s, b)
     assert [d.implementation for d in decisions] == [r["implementation"] for r in results]
@@ -266,6 +271,7 @@ def test_autotune_times_candidates_and_caches_winners(tmp_cache, capsys):
     other = jax_ops.explain(grad, *_inputs((16, 65)))
     assert all(d.reason != "autotune cache" for d in other)
     # A hand-edited cache entry steers the choice (and is bitwise what it names).
+    assert jax_ops.explain(jax_ops.layer_norm, x, s, b)[0].reason != "autotune cache"  # inference fwd
     data[kind]["layer_norm|fwd|float32|16,64"] = {"implementation": "pallas", "config": {"block_rows": 4, "num_warps": 1}, "us": {}}
     tmp_cache.write_text(json.dumps(data))
     d = jax_ops.explain(jax_ops.layer_norm, x, s, b)[0]
