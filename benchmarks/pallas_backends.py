@@ -1,7 +1,9 @@
 """Pallas back ends compared on one GPU: the Triton-back-end forward kernels that ship
-(pallas_kernels/layer_norm.py) against a Mosaic GPU forward (pallas_kernels/_mosaic_norm.py),
-with our CUDA kernels and a device copy of the same bytes as yardsticks.
+(pallas_kernels/layer_norm.py) against a Mosaic GPU forward, with our CUDA kernels and a
+device copy of the same bytes as yardsticks.
 
+The Mosaic GPU kernel lost (docs/design.md) and is not in the tree; to measure it again:
+    git show f163b66:pallas_kernels/_mosaic_norm.py > pallas_kernels/_mosaic_norm.py
     python benchmarks/pallas_backends.py [--cols 256,1024,4096,8192] [--rows 49152]
 
 Same timing as jax_ops.bench: CUPTI kernel time, K input sets per call (L2 can't hold

@@ -239,6 +239,9 @@ def test_table_lookup_picks_nearest_entry_fastest_supported(monkeypatch):
 
 def test_shipped_tables_are_well_formed():
     tables = dispatch._tables()
+    # H100 and H200 tables ship inside the package (installed, not just in the source tree).
+    assert {"NVIDIA H100 80GB HBM3", "NVIDIA H200"} <= {t["device_kind"] for t in tables}
+    assert dispatch.table_for("NVIDIA H100 PCIe")["device_kind"] == "NVIDIA H100 80GB HBM3"
     for t in tables:
         assert t["device_kind"] and t["command"] and t["entries"], t["_path"]
         for e in t["entries"]:
