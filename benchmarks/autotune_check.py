@@ -46,9 +46,7 @@ def print_vs_table(results) -> None:
             continue
         name = picked[0]
         impl = registry.get(op, name)
-        default = impl.default_config(q)
-        label = name if not default else name + "[" + ",".join(
-            f"{k}={v}" for k, v in sorted(default.items())) + "]"
+        label = tuning.label(name, impl.default_config(q))
         if label not in r["us"]:
             continue
         win_label = min(r["us"], key=r["us"].get)

@@ -275,18 +275,11 @@ def _user_lowerings(op):
                     jnp.asarray(dscale).astype(dscale_dtype) if dscale_dtype else _empty(),
                     jnp.asarray(dbias).astype(dbias_dtype) if dbias_dtype else _empty(), work)
 
-        lower = {"fwd": _user_jnp(fwd)}
+        lower = {"fwd": jnp_lowering(fwd, takes_config=True)}
         if backward is not None:
-            lower["bwd"] = _user_jnp(bwd)
+            lower["bwd"] = jnp_lowering(bwd, takes_config=True)
         return lower
     return adapt
-
-
-def _user_jnp(fn):
-    def lower(ctx, *args, platform, config, **params):
-        return jnp_lowering(lambda *a, **p: fn(*a, config=config, **p))(
-            ctx, *args, platform=platform, config=config, **params)
-    return lower
 
 
 def _register_builtins():

@@ -3,6 +3,7 @@ a lowering per platform that asks jax_ops.dispatch which registered implementati
 serves the call; plus helpers that build the common kinds of Implementation."""
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -86,10 +87,13 @@ def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
 
 # ------------------------------------------------ kinds of implementations ---
 
-def jnp_lowering(fn: Callable) -> Callable:
-    """Lowering of a JAX-traceable fn(*operands, **params) -> outputs (list/tuple)."""
+def jnp_lowering(fn: Callable, *, takes_config: bool = False) -> Callable:
+    """Lowering of a JAX-traceable fn(*operands, **params) -> outputs (list/tuple);
+    takes_config: fn also gets the chosen tunable config as `config=`."""
     def lower(ctx, *args, platform, config, **params):
-        del platform, config
+        del platform
+        if takes_config:
+            params = dict(params, config=config)
         return mlir.lower_fun(partial(fn, **params), multiple_results=True)(ctx, *args)
     return lower
 
@@ -139,6 +143,7 @@ def pallas_supports(limit: Callable[[registry.Query], tuple[bool, str]]):
     return supports
 
 
+@functools.cache
 def _compute_capability():
     try:
         d = jax.devices("cuda")[0]

@@ -112,7 +112,8 @@ def _timer(platform: str) -> Callable:
     return wall
 
 
-def _label(name: str, config: dict | None) -> str:
+def label(name: str, config: dict | None) -> str:
+    """"pallas[block_rows=8,num_warps=4]": how autotune names a candidate."""
     if not config:
         return name
     return name + "[" + ",".join(f"{k}={v}" for k, v in sorted(config.items())) + "]"
@@ -148,15 +149,15 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None,
         bind_params = dict(params, implementation=None)
         times = {}
         for name, config in candidates:
-            label = _label(name, config)
+            cand = label(name, config)
             pins = dispatch._forced()
             pins[dispatch.cache_key(q)] = (name, config)
             try:
                 compiled = jax.jit(lambda *a: prim.bind(*a, **bind_params)).lower(*ops).compile()
-                times[label] = (statistics.median(timer(compiled, ops, repeats)), name, config)
+                times[cand] = (statistics.median(timer(compiled, ops, repeats)), name, config)
             except Exception as e:  # a config that does not compile/fit is just not a winner
                 if verbose:
-                    print(f"  {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                    print(f"  {cand}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
                           file=sys.stderr)
             finally:
                 pins.pop(dispatch.cache_key(q), None)
