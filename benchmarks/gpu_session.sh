@@ -22,13 +22,15 @@ if ! python3 -c "import jax_ops, sys; sys.exit(0 if jax_ops.with_cuda() else 1)"
 fi
 python3 -c "import jax, jax_ops; print('jax', jax.__version__, jax.devices(), 'with_cuda', jax_ops.with_cuda())" | tee -a "$L/env.txt"
 
-bench() {  # bench <name> <args...>: jax_ops.bench, LN and RMS, fwd/fwd_bwd/bwd
-  local name=$1; shift
-  for op in layer_norm rms_norm; do
+bench() {  # bench <name> <ops> <args...>: jax_ops.bench per op, fwd/fwd_bwd/bwd
+  local name=$1 ops=$2; shift 2
+  for op in ${ops//,/ }; do
     python3 -m jax_ops.bench --op $op --mode fwd,fwd_bwd,bwd --impl cuda,pallas,xla,auto,flax \
       --json "$L/${name}_$op.json" "$@" 2>&1 | tee "$L/${name}_$op.txt" | grep -v "^check\|K=" | tail -60
   done
 }
+NORMS=layer_norm,rms_norm
+SOFTMAX=softmax,log_softmax
 
 for step in $steps; do
   t0=$SECONDS
@@ -42,9 +44,18 @@ for step in $steps; do
     racecheck) timeout 150 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_norm.py 5000,40000 2>&1 | tail -8 | tee "$L/racecheck.txt" ;;
     backends) python3 benchmarks/pallas_backends.py 2>&1 | tee "$L/pallas_backends.txt" ;;
     # Writes the dispatch table of this GPU (the auto column of this run still uses the old one).
-    table) bench table --impl cuda,pallas,xla --max-sets 48 --table "$table" --check; cp "$table" "$L/" ;;
+    table) bench table $NORMS --impl cuda,pallas,xla --max-sets 48 --table "$table" --check; cp "$table" "$L/" ;;
+    table-softmax) bench table $SOFTMAX --impl cuda,pallas,xla,flax --max-sets 48 --table "$table" --check; cp "$table" "$L/" ;;
     # Measures again: auto now reads the table just written.
-    verify) bench verify --impl cuda,pallas,xla,auto --max-sets 48 ;;
+    verify) bench verify $NORMS --impl cuda,pallas,xla,auto --max-sets 48 ;;
+    verify-softmax) bench verify $SOFTMAX --impl cuda,pallas,xla,auto --max-sets 48 ;;
+    # Masked and causal softmax next to the plain one (target: masked <= 1.15x unmasked).
+    bench-masked) python3 -m jax_ops.bench --op softmax,softmax_mask,softmax_causal --mode fwd,fwd_bwd \
+        --impl cuda,pallas,xla --max-sets 48 --json "$L/masked.json" 2>&1 | tee "$L/masked.txt" | grep -v "^check\|K=" | tail -80 ;;
+    check-softmax) python3 benchmarks/sanitize_softmax.py 2>&1 | tail -20 | tee "$L/check_softmax.txt"
+           IMPL=pallas python3 benchmarks/sanitize_softmax.py 2>&1 | tail -20 | tee -a "$L/check_softmax.txt" ;;
+    sanitize-softmax) timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_softmax.py 3,33,1025,5000,20000,40000 2>&1 | tail -8 | tee "$L/memcheck_softmax.txt" ;;
+    racecheck-softmax) timeout 200 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_softmax.py 5000,40000 2>&1 | tail -8 | tee "$L/racecheck_softmax.txt" ;;
     autotune-quick) python3 benchmarks/autotune_check.py --skip-bench 2>&1 | tee "$L/autotune.txt" | grep -v "^  \|jax_ops.autotune \[" | tail -60 ;;
     autotune) python3 benchmarks/autotune_check.py 2>&1 | tee "$L/autotune.txt" | tail -40 ;;
     bench-ln) python3 -m jax_ops.bench --op layer_norm --mode fwd,fwd_bwd,bwd --check --json "$L/layer_norm.json" 2>&1 | tee "$L/layer_norm.txt" ;;

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include "cuda_src/common.h"
 
 namespace jax_ops {
@@ -68,6 +69,62 @@ cudaError_t resident_blocks(Kernel kernel, int threads, size_t smem, int64_t wor
   const int64_t resident = int64_t(per_sm) * sm_count();
   *blocks = int(work_blocks < resident ? (work_blocks < 1 ? 1 : work_blocks) : resident);
   return cudaSuccess;
+}
+
+// ------------------------------------------------ launch helpers of row kernels ---
+
+inline bool aligned_to(const void* p, size_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+}
+
+// Whether a shared-memory-caching kernel can run with `smem` dynamic bytes (its static
+// shared memory counted too: the opt-in limit covers the sum), setting the opt-in and
+// the grid. On any refusal the recorded error is cleared and the caller falls back to
+// the uncached kernel.
+template <typename Kernel>
+bool cached_grid(Kernel kernel, int threads, size_t smem, int64_t work_blocks, int* blocks) {
+  cudaFuncAttributes fa;
+  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess ||
+      smem + fa.sharedSizeBytes > size_t(max_smem_per_block()) ||
+      allow_smem(kernel, smem) != cudaSuccess ||
+      resident_blocks(kernel, threads, smem, work_blocks, blocks) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+// Row-group shape for a row of nvec packs, as launch(VPT, WIDTH) with compile-time
+// constants: the next power of two of lanes (1..16) with one pack each when that covers
+// the row, else 32 lanes with the next power of two of packs each, up to MAX_COLS values.
+template <int PACK, int64_t MAX_COLS, int VPT = 1, typename Launch>
+cudaError_t dispatch_group_shape(int64_t nvec, Launch&& launch) {
+  using One = std::integral_constant<int, 1>;
+  if constexpr (VPT == 1) {
+    if (nvec <= 1) return launch(One{}, One{});
+    if (nvec <= 2) return launch(One{}, std::integral_constant<int, 2>{});
+    if (nvec <= 4) return launch(One{}, std::integral_constant<int, 4>{});
+    if (nvec <= 8) return launch(One{}, std::integral_constant<int, 8>{});
+    if (nvec <= 16) return launch(One{}, std::integral_constant<int, 16>{});
+  }
+  if constexpr (VPT * 32 * PACK <= MAX_COLS) {
+    if (nvec <= 32 * VPT) return launch(std::integral_constant<int, VPT>{}, std::integral_constant<int, 32>{});
+    return dispatch_group_shape<PACK, MAX_COLS, VPT * 2>(nvec, launch);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Threads for a block-per-row kernel: about four packs each, 128..1024, so that
+// several rows per multiprocessor are in flight between the block barriers.
+inline int block_threads(int64_t nvec) {
+  const int64_t t = ((nvec + 3) / 4 + 31) / 32 * 32;
+  return int(t < 128 ? 128 : (t > 1024 ? 1024 : t));
 }
 
 inline std::string cuda_error_message(const char* what, cudaError_t err) {

@@ -19,10 +19,14 @@ NB_MODULE(_ffi, m) {
     cpu["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCpu);
     cpu["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCpu);
     cpu["jax_ops_device_copy"] = capsule(JaxOpsDeviceCopyCpu);
+    cpu["jax_ops_softmax_fwd"] = capsule(JaxOpsSoftmaxFwdCpu);
+    cpu["jax_ops_softmax_bwd"] = capsule(JaxOpsSoftmaxBwdCpu);
 #ifdef JAX_OPS_WITH_CUDA
     cuda["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCuda);
     cuda["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCuda);
     cuda["jax_ops_device_copy"] = capsule(JaxOpsDeviceCopyCuda);
+    cuda["jax_ops_softmax_fwd"] = capsule(JaxOpsSoftmaxFwdCuda);
+    cuda["jax_ops_softmax_bwd"] = capsule(JaxOpsSoftmaxBwdCuda);
 #endif
     out["cpu"] = cpu;
     out["CUDA"] = cuda;

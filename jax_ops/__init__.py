@@ -3,13 +3,14 @@ from jax_ops import _extension
 from jax_ops.tuning import autotune
 from jax_ops.dispatch import explain
 from jax_ops.layer_norm import layer_norm, rms_norm
+from jax_ops.softmax import log_softmax, softmax
 from jax_ops.registry import (implementations, register_implementation,
                               unregister_implementation, use)
 
 #: the built-in implementations every op has
 IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 
-__all__ = ["layer_norm", "rms_norm", "IMPLEMENTATIONS", "implementations", "use",
+__all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
            "with_cuda"]
 

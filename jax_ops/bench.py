@@ -1,8 +1,27 @@
-"""Benchmark of jax_ops' norms against XLA, Flax and a device-copy bandwidth ceiling.
+"""Benchmark of jax_ops' norms and softmax against XLA, autodiff baselines and a copy ceiling.
 
-    python -m jax_ops.bench [--op layer_norm|rms_norm] [--impl cuda,pallas,xla,auto,flax]
-        [--dtype bf16|f32|f16] [--rows N] [--cols 32,64,...] [--mode fwd,fwd_bwd,bwd]
-        [--repeats 5] [--check] [--json [PATH]] [--csv PATH] [--table PATH]
+    python -m jax_ops.bench
+        [--op layer_norm|rms_norm|softmax|log_softmax|softmax_mask|softmax_causal]
+        [--impl cuda,pallas,xla,auto,flax,jnp] [--dtype bf16|f32|f16] [--rows N]
+        [--cols 32,64,...] [--mode fwd,fwd_bwd,bwd] [--repeats 5] [--check]
+        [--json [PATH]] [--csv PATH] [--table PATH]
+
+Ops ("--op", comma list) and their input sets (x, params, dy), x and dy of shape
+(rows, cols) in the --dtype:
+  layer_norm      params (scale, bias) float32, differentiated; x, dy random normal.
+  rms_norm        params (scale,).
+  softmax         jax_ops.softmax(x) over the last axis; params (); x = 4 * random normal.
+  log_softmax     jax_ops.log_softmax(x).
+  softmax_mask    x viewed as (B, Q, cols), Q = min(cols, 512), B = rows // Q;
+                  jax_ops.softmax(x3, mask=m) with a key-padding bool mask m of shape
+                  (B, 1, cols), ~10% False, column 0 always True (no fully masked row);
+                  params (m,), not differentiated (the vjp is w.r.t. x only).
+  softmax_causal  x viewed as (B, Q, cols), Q = min(cols, 2048); jax_ops.softmax(x3,
+                  causal=True) (keeps j <= i + (cols - Q)); params ().
+  Q rule (view_len): min(cols, cap) when it divides rows (the default rows, 49152 =
+  3 * 2^14, and 4096 on CPU, are divisible by every power-of-two cap and by 768), else the
+  largest power of two dividing rows that is <= min(cols, cap). The views are recorded in
+  the JSON metadata ("views").
 
 Implementations ("--impl"):
   cuda    jax_ops.<op>(..., implementation="cuda"): our hand kernels (on CPU: host handlers).
@@ -12,22 +31,25 @@ Implementations ("--impl"):
   auto    jax_ops.<op>(...): the automatic choice (measured table, autotune cache,
           heuristics; see jax_ops/dispatch.py). Under the tables, "auto/best" is its time
           over the fastest of cuda/pallas/xla in the same run.
-  flax  flax.linen.LayerNorm / RMSNorm (param_dtype float32, dtype = x's dtype so y has
-        x's dtype), differentiated by JAX autodiff. Falls back to "jnp" when flax is
-        not importable.
-  jnp   a plain jax.numpy norm, differentiated by JAX autodiff.
+  flax  norms: flax.linen.LayerNorm / RMSNorm (param_dtype float32, dtype = x's dtype so y
+        has x's dtype), differentiated by JAX autodiff. Falls back to "jnp" when flax is
+        not importable. Softmax ops: the same as "jnp".
+  jnp   a plain jax.numpy op with float32 math, output cast to x's dtype, differentiated
+        by JAX autodiff: the norm; jax.nn.softmax / log_softmax of x.astype(float32)
+        (softmax_mask: jnp.where(mask, logits, -inf); softmax_causal: a tril mask).
 The baseline of the "vs" column is "flax" when it ran, else "jnp".
 
-Modes ("--mode"), per input set (x, scale[, bias], dy):
-  fwd      y = op(x, scale, bias)
-  fwd_bwd  y, vjp_fn = jax.vjp(op, x, scale, bias); (dx, dscale, dbias) = vjp_fn(dy),
-           all in one jitted function.
+Modes ("--mode"), per input set (x, params, dy):
+  fwd      y = op(x, *params)
+  fwd_bwd  y, vjp_fn = jax.vjp(op, x, *params); (dx, *dparams) = vjp_fn(dy), all in one
+           jitted function (softmax ops: the vjp is w.r.t. x only, so just dx).
   bwd      vjp_fn is made beforehand (a jitted jax.vjp); only vjp_fn(dy) is timed. The
            residuals are whatever the implementation saves (autodiff baselines may
            save float32 intermediates and so read more than the minimum below).
 
 Minimum bytes per call ("min_bytes"; effective GB/s = min_bytes / time). With
   X = rows * cols * itemsize(x)      one activation-sized array (x, y, dy or dx)
+norms, with
   P = cols * 4                       one float32 parameter vector
   n = 2 for layer_norm (scale, bias), 1 for rms_norm (scale)
   S = rows * 4 * (2 for layer_norm: mean + rstd; 1 for rms_norm: rstd)   float32 stats
@@ -37,6 +59,10 @@ we count
                                   write dscale (and dbias)
   fwd_bwd = fwd + S + bwd         two passes, as two separate kernels at best: the
                                   forward also writes the stats and x is read twice.
+softmax ops, with M = B * cols (the bool mask, softmax_mask only; else 0)
+  fwd     = 2X + M                read x (and the mask), write y; causal: no mask read
+  bwd     = 3X                    read y and dy, write dx
+  fwd_bwd = fwd + bwd = 5X + M    the backward reads the saved y.
 
 Timing. Each measured call processes K distinct input sets (one jitted function, a
 Python loop inside jit; an optimization barrier chains each set to the previous one's
@@ -54,6 +80,19 @@ Copy ceiling. The "jax_ops_device_copy" FFI target (a 16-byte vectorized copy on
 memcpy on CPU) copies K distinct arrays of min_bytes / 2 bytes each, so it reads and
 writes min_bytes per set like the op's floor; measured the same way, in the same run.
 "%copy" = copy_time / op_time (the fraction of copy bandwidth the op reaches).
+
+Summaries after the tables:
+  auto/best          with --impl auto: the automatic choice vs the fastest kernel.
+  masked/unmasked    softmax_mask and softmax_causal time over softmax's, same impl, mode,
+                     dtype and cols, when both ran in the invocation (target <= 1.15 for
+                     cuda/pallas/xla/auto).
+  speedup over xla   softmax, log_softmax: xla time / each impl's time (target: fwd_bwd
+                     >= 1.5 for cuda/pallas/auto).
+
+--table writes per op the stages the dispatch reads: norms fwd, bwd and fwd_stats (the
+training forward, fwd_bwd - bwd); softmax and log_softmax fwd and bwd only (their
+training forward is the inference forward); softmax_mask and softmax_causal nothing
+(they run the softmax kernels).
 """
 from __future__ import annotations
 
@@ -80,7 +119,6 @@ import jax.numpy as jnp
 
 import jax_ops  # registers the FFI targets, jax_ops_device_copy included
 
-OPS = ("layer_norm", "rms_norm")
 IMPLS = ("cuda", "pallas", "xla", "auto", "flax", "jnp")
 KERNEL_IMPLS = ("cuda", "pallas", "xla")  # what the automatic choice picks among
 MODES = ("fwd", "fwd_bwd", "bwd")
@@ -124,30 +162,50 @@ class Record:
 
 
 # ------------------------------------------------------------ the ops -------
+#
+# Each op is an OpSpec: how to make one input set, the callable of each implementation,
+# its minimum bytes and what it contributes to a dispatch table. An input set is
+# (x, params, dy): x of shape (rows, cols) in the benchmarked dtype; params the op's other
+# inputs (the norms' float32 scale[, bias], differentiated; softmax_mask's key-padding
+# mask, not differentiated; () for the other softmax ops); dy like x, or None.
 
-def num_params(op: str) -> int:
-    return 2 if op == "layer_norm" else 1
-
-
-def min_bytes(op: str, mode: str, rows: int, cols: int, itemsize: int) -> int:
-    """The op's minimum DRAM traffic per call; see the module docstring."""
-    x = rows * cols * itemsize
-    p = cols * 4
-    n = num_params(op)
-    s = rows * 4 * n  # layer_norm: mean + rstd; rms_norm: rstd
-    fwd = 2 * x + n * p
-    bwd = 3 * x + s + p + n * p
-    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + s + bwd}[mode]
+SOFTMAX_X_SCALE = 4.0            # softmax inputs: x = 4 * N(0, 1), peaked rows
+MASK_KEEP = 0.9                  # softmax_mask: P(mask element is True)
+MASK_Q_CAP, CAUSAL_Q_CAP = 512, 2048  # Q of the (rows // Q, Q, cols) views, at most
 
 
-@functools.cache
-def flax_available() -> bool:
-    try:
-        import flax.linen  # noqa: F401
-    except Exception:  # noqa: BLE001 - missing or broken: either way not usable
-        return False
-    return True
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """How the benchmark makes, calls and counts one op."""
+    make_inputs: Callable    # (kx, kp, kq, dtype, rows, cols) -> (x, params)
+    kernel: Callable         # implementation ("cuda"/"pallas"/"xla"/None: auto) -> fn(x, *params)
+    reference: Callable      # dtype -> fn(x, *params): the "jnp" autodiff baseline
+    nbytes: Callable         # (rows, cols, itemsize) -> {"fwd": ..., "bwd": ..., "fwd_bwd": ...}
+    flax: Callable | None = None  # dtype -> fn: the "flax" baseline (None: the "jnp" one)
+    diff_params: bool = True      # the vjp is w.r.t. (x, *params); False: w.r.t. x only
+    num_params: int = 0           # float32 parameter vectors in params
+    epsilon: float | None = None  # passed to every impl (recorded in the metadata)
+    table_stages: tuple[str, ...] = ()  # dispatch-table stages --table writes
+    unmasked: str | None = None   # a masked variant: the op its time is compared with
+    xla_summary: bool = False     # in the "speedup over xla" summary
+    view_cap: int | None = None   # x is viewed as (rows // Q, Q, cols), Q = view_len(.., cap)
+    title: str = ""               # appended to its tables' titles
 
+
+def view_len(rows: int, cols: int, cap: int) -> int:
+    """Q of the (rows // Q, Q, cols) view of softmax_mask / softmax_causal: min(cols, cap)
+    when that divides rows, else the largest power of two that divides rows and is
+    <= min(cols, cap) (1 for odd rows)."""
+    q = min(cols, cap)
+    if rows % q == 0:
+        return q
+    p = rows & -rows  # the largest power of two dividing rows
+    while p > q:
+        p //= 2
+    return p
+
+
+# norms
 
 def _jnp_norm(op: str, eps: float) -> Callable:
     """Plain jax.numpy norm with float32 math, output in x's dtype."""
@@ -174,29 +232,166 @@ def _flax_norm(op: str, eps: float, dtype) -> Callable:
     return lambda x, scale: rms.apply({"params": {"scale": scale}}, x)
 
 
-def make_op(op: str, impl: str, dtype) -> Callable:
-    """fn(x, *params) -> y for an implementation; params = (scale, bias) or (scale,)."""
+def _norm_spec(op: str) -> OpSpec:
     eps = EPSILON[op]
-    if impl in KERNEL_IMPLS or impl == "auto":
-        impl = None if impl == "auto" else impl
+    n = 2 if op == "layer_norm" else 1  # scale, bias / scale
+
+    def make_inputs(kx, ks, kb, dtype, rows, cols):
+        x = jax.random.normal(kx, (rows, cols), dtype)
+        scale = 1.0 + 0.1 * jax.random.normal(ks, (cols,), jnp.float32)
+        return x, (scale, 0.1 * jax.random.normal(kb, (cols,), jnp.float32))[:n]
+
+    def kernel(impl):
         if op == "layer_norm":
             return lambda x, scale, bias: jax_ops.layer_norm(
                 x, scale, bias, epsilon=eps, implementation=impl)
         return lambda x, scale: jax_ops.rms_norm(x, scale, epsilon=eps, implementation=impl)
+
+    def nbytes(rows, cols, itemsize):
+        x, p = rows * cols * itemsize, cols * 4
+        s = rows * 4 * n  # float32 stats: layer_norm mean + rstd; rms_norm rstd
+        fwd = 2 * x + n * p
+        bwd = 3 * x + s + p + n * p
+        return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + s + bwd}
+
+    return OpSpec(make_inputs=make_inputs, kernel=kernel, nbytes=nbytes,
+                  reference=lambda dtype: _jnp_norm(op, eps),
+                  flax=lambda dtype: _flax_norm(op, eps, dtype), num_params=n,
+                  epsilon=eps, table_stages=("fwd", "bwd", "fwd_stats"))
+
+
+# softmax family. Kernels call jax_ops.softmax / log_softmax on the (B, Q, cols) view
+# for the masked variants and reshape y back to (rows, cols) (free: a bitcast).
+
+def _softmax_inputs(kx, kp, kq, dtype, rows, cols):
+    return SOFTMAX_X_SCALE * jax.random.normal(kx, (rows, cols), dtype), ()
+
+
+def _mask_inputs(kx, kp, kq, dtype, rows, cols):
+    """x and a key-padding mask (B, 1, cols), True = keep (~90%), never a fully masked
+    row (column 0 always kept)."""
+    x, _ = _softmax_inputs(kx, kp, kq, dtype, rows, cols)
+    b = rows // view_len(rows, cols, MASK_Q_CAP)
+    keep = jax.random.bernoulli(kp, MASK_KEEP, (b, 1, cols)).at[..., 0].set(True)
+    return x, (keep,)
+
+
+def _softmax_kernel(log: bool = False, masked: bool = False, causal: bool = False) -> Callable:
+    def make(impl):
+        def fn(x, *mask):
+            rows, cols = x.shape
+            op = jax_ops.log_softmax if log else jax_ops.softmax  # looked up at call time
+            if masked:
+                y = op(x.reshape(mask[0].shape[0], -1, cols), mask=mask[0], implementation=impl)
+            elif causal:
+                q = view_len(rows, cols, CAUSAL_Q_CAP)
+                y = op(x.reshape(rows // q, q, cols), causal=True, implementation=impl)
+            else:
+                y = op(x, axis=-1, implementation=impl)
+            return y.reshape(rows, cols)
+        return fn
+    return make
+
+
+def _jnp_softmax(log: bool = False, masked: bool = False, causal: bool = False) -> Callable:
+    """dtype -> plain jax.nn (log_)softmax on float32 logits, -inf where masked, output in
+    x's dtype; differentiated by JAX autodiff."""
+    def fn(x, *mask):
+        rows, cols = x.shape
+        z = x.astype(jnp.float32)
+        if masked:
+            z = jnp.where(mask[0], z.reshape(mask[0].shape[0], -1, cols), -jnp.inf)
+        elif causal:
+            q = view_len(rows, cols, CAUSAL_Q_CAP)
+            keep = jnp.tril(jnp.ones((q, cols), bool), cols - q)  # j <= i + (cols - q)
+            z = jnp.where(keep, z.reshape(rows // q, q, cols), -jnp.inf)
+        y = (jax.nn.log_softmax if log else jax.nn.softmax)(z, axis=-1)
+        return y.astype(x.dtype).reshape(rows, cols)
+    return lambda dtype: fn
+
+
+def _softmax_bytes(mask_cap: int | None = None) -> Callable:
+    def nbytes(rows, cols, itemsize):
+        x = rows * cols * itemsize
+        m = 0 if mask_cap is None else rows // view_len(rows, cols, mask_cap) * cols  # bool
+        fwd, bwd = 2 * x + m, 3 * x  # bwd: read y and dy, write dx
+        return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
+    return nbytes
+
+
+def _softmax_spec(log: bool = False, masked: bool = False, causal: bool = False) -> OpSpec:
+    flags = dict(log=log, masked=masked, causal=causal)
+    common = dict(kernel=_softmax_kernel(**flags), reference=_jnp_softmax(**flags),
+                  diff_params=False)
+    if masked:
+        return OpSpec(make_inputs=_mask_inputs, nbytes=_softmax_bytes(MASK_Q_CAP),
+                      unmasked="softmax", view_cap=MASK_Q_CAP,
+                      title=f" as (B, Q, cols), Q = min(cols, {MASK_Q_CAP}), "
+                            f"mask (B, 1, cols) {MASK_KEEP:.0%} True", **common)
+    if causal:
+        return OpSpec(make_inputs=_softmax_inputs, nbytes=_softmax_bytes(),
+                      unmasked="softmax", view_cap=CAUSAL_Q_CAP,
+                      title=f" as (B, Q, cols), Q = min(cols, {CAUSAL_Q_CAP}), causal", **common)
+    return OpSpec(make_inputs=_softmax_inputs, nbytes=_softmax_bytes(),
+                  table_stages=("fwd", "bwd"), xla_summary=True, **common)
+
+
+SPECS: dict[str, OpSpec] = {
+    "layer_norm": _norm_spec("layer_norm"),
+    "rms_norm": _norm_spec("rms_norm"),
+    "softmax": _softmax_spec(),
+    "log_softmax": _softmax_spec(log=True),
+    "softmax_mask": _softmax_spec(masked=True),
+    "softmax_causal": _softmax_spec(causal=True),
+}
+OPS = tuple(SPECS)
+
+
+def num_params(op: str) -> int:
+    """The number of float32 parameter vectors of op (2, 1, or 0 for the softmax ops)."""
+    return SPECS[op].num_params
+
+
+def min_bytes(op: str, mode: str, rows: int, cols: int, itemsize: int) -> int:
+    """The op's minimum DRAM traffic per call; see the module docstring."""
+    return SPECS[op].nbytes(rows, cols, itemsize)[mode]
+
+
+@functools.cache
+def flax_available() -> bool:
+    try:
+        import flax.linen  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing or broken: either way not usable
+        return False
+    return True
+
+
+def make_op(op: str, impl: str, dtype) -> Callable:
+    """fn(x, *params) -> y for an implementation (params: see make_sets)."""
+    spec = SPECS[op]
+    if impl in KERNEL_IMPLS or impl == "auto":
+        return spec.kernel(None if impl == "auto" else impl)
     if impl == "flax":
-        return _flax_norm(op, eps, dtype)
+        return (spec.flax or spec.reference)(dtype)
     if impl == "jnp":
-        return _jnp_norm(op, eps)
+        return spec.reference(dtype)
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def per_set_fn(fn: Callable, mode: str) -> Callable:
+def _vjp(fn: Callable, x, params, diff_params: bool):
+    """jax.vjp of fn at (x, *params), or w.r.t. x only (params held constant)."""
+    if diff_params:
+        return jax.vjp(fn, x, *params)
+    return jax.vjp(lambda x: fn(x, *params), x)
+
+
+def per_set_fn(fn: Callable, mode: str, diff_params: bool = True) -> Callable:
     """The function applied to one input set (see mode_args for its arguments)."""
     if mode == "fwd":
         return lambda x, params: fn(x, *params)
     if mode == "fwd_bwd":
         def fwd_bwd(x, params, dy):
-            y, vjp_fn = jax.vjp(fn, x, *params)
+            y, vjp_fn = _vjp(fn, x, params, diff_params)
             return (y, *vjp_fn(dy))
         return fwd_bwd
     if mode == "bwd":
@@ -204,13 +399,14 @@ def per_set_fn(fn: Callable, mode: str) -> Callable:
     raise ValueError(f"unknown mode {mode!r}")
 
 
-def mode_args(fn: Callable, mode: str, sets: Sequence[tuple]) -> list[tuple]:
+def mode_args(fn: Callable, mode: str, sets: Sequence[tuple],
+              diff_params: bool = True) -> list[tuple]:
     """Arguments of per_set_fn for each set; for "bwd" this runs the forward (jax.vjp)."""
     if mode == "fwd":
         return [(x, params) for x, params, _ in sets]
     if mode == "fwd_bwd":
         return [(x, params, dy) for x, params, dy in sets]
-    make_vjp = jax.jit(lambda x, params: jax.vjp(fn, x, *params)[1])
+    make_vjp = jax.jit(lambda x, params: _vjp(fn, x, params, diff_params)[1])
     return [(make_vjp(x, params), dy) for x, params, dy in sets]
 
 
@@ -240,13 +436,13 @@ def num_sets(nbytes: int, footprint: int, max_mem: int, max_sets: int) -> int:
 
 
 def make_sets(op: str, dtype, rows: int, cols: int, k: int, with_dy: bool, seed: int):
-    """K seeded random input sets (x, params, dy); params float32, dy None if unneeded."""
+    """K seeded random input sets (x, params, dy): params as the op's spec makes them
+    (norms: float32 (scale[, bias]); softmax_mask: (mask,); other softmax ops: ()),
+    dy random normal in x's dtype, None if unneeded."""
     sets = []
     for i in range(k):
-        kx, ks, kb, kd = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
-        x = jax.random.normal(kx, (rows, cols), dtype)
-        scale = 1.0 + 0.1 * jax.random.normal(ks, (cols,), jnp.float32)
-        params = (scale, 0.1 * jax.random.normal(kb, (cols,), jnp.float32))[:num_params(op)]
+        kx, kp, kq, kd = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
+        x, params = SPECS[op].make_inputs(kx, kp, kq, dtype, rows, cols)
         dy = jax.random.normal(kd, (rows, cols), dtype) if with_dy else None
         sets.append((x, params, dy))
     jax.block_until_ready(sets)
@@ -305,10 +501,12 @@ def rel_err(a, b) -> float:
 
 def check(op: str, mode: str, dtype, impls: Sequence[str], first_set: tuple) -> dict:
     """impl -> relative error of its outputs vs "xla" on one set, or the error string."""
+    diff = SPECS[op].diff_params
+
     def outputs(impl):
         fn = make_op(op, impl, dtype)
-        (args,) = mode_args(fn, mode, [first_set])
-        return jax.jit(per_set_fn(fn, mode))(*args)
+        (args,) = mode_args(fn, mode, [first_set], diff)
+        return jax.jit(per_set_fn(fn, mode, diff))(*args)
 
     try:
         ref = outputs("xla")
@@ -366,8 +564,9 @@ def measure_impl(base: dict, op: str, mode: str, dtype, impl: str, sets, timer: 
     rec = Record(impl=impl, **base)
     try:
         fn = make_op(op, impl, dtype)
-        args = mode_args(fn, mode, sets)
-        call_times = timer(batched(per_set_fn(fn, mode)), args, repeats)
+        diff = SPECS[op].diff_params
+        args = mode_args(fn, mode, sets, diff)
+        call_times = timer(batched(per_set_fn(fn, mode, diff)), args, repeats)
         del args
         summarize(rec, call_times)
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: record it, go on
@@ -480,7 +679,8 @@ def format_table(recs: list[Record], impls: Sequence[str], baseline: str | None,
     for impl in impls:
         head1 += f" | {impl:^{GROUP_W}}"
         head2 += " | " + " ".join(f"{n:>{w}}" for n, (_, w) in zip(names, FIELDS))
-    lines = ["", f"{r0.op} {r0.mode} {r0.dtype}, rows={r0.rows} | {meta['device_kind']} | "
+    lines = ["", f"{r0.op} {r0.mode} {r0.dtype}, rows={r0.rows}{SPECS[r0.op].title} | "
+                 f"{meta['device_kind']} | "
                  f"{meta['timer']} time per call, median of {meta['repeats']}",
              head1, head2, "-" * len(head2)]
     notes = []
@@ -525,13 +725,14 @@ def format_auto_summary(records: list[Record]) -> str:
     rows = auto_vs_best(records)
     if not rows:
         return ""
+    w = max(10, *(len(r[0]) for r in rows))  # op column
     lines = ["", "automatic choice vs the fastest of cuda/pallas/xla in this run "
                  "(auto/best <= 1.05 is the target)",
-             f"{'op':<10} {'mode':<8} {'dtype':<5} {'cols':>6} {'best':>7} {'best us':>9} "
+             f"{'op':<{w}} {'mode':<8} {'dtype':<5} {'cols':>6} {'best':>7} {'best us':>9} "
              f"{'auto us':>9} {'auto/best':>9}"]
     for op, mode, dtype, cols, best, best_us, auto_us, ratio in rows:
         flag = "" if ratio <= 1.05 else "  > 5%"
-        lines.append(f"{op:<10} {mode:<8} {dtype:<5} {cols:>6} {best:>7} {best_us:>9.1f} "
+        lines.append(f"{op:<{w}} {mode:<8} {dtype:<5} {cols:>6} {best:>7} {best_us:>9.1f} "
                      f"{auto_us:>9.1f} {ratio:>9.3f}{flag}")
     worst = max(r[-1] for r in rows)
     lines.append(f"worst auto/best: {worst:.3f}; within 5%: "
@@ -539,8 +740,118 @@ def format_auto_summary(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+MASK_TARGET = 1.15     # masked / unmasked softmax time, same impl
+XLA_SPEEDUP_TARGET = 1.5  # softmax fwd_bwd: xla time / our kernels' time
+OUR_IMPLS = ("cuda", "pallas", "auto")  # what the xla-speedup target is about
+MASKED_TARGET_IMPLS = ("cuda", "pallas", "xla", "auto")  # and the masked/unmasked one
+
+
+def _timed(records: list[Record]) -> dict[tuple, float]:
+    """(op, mode, dtype, cols, impl) -> median us, the timed records (no copy ceiling)."""
+    return {(r.op, r.mode, r.dtype, r.cols, r.impl): r.time_us for r in records
+            if r.time_us is not None and r.impl != "copy"}
+
+
+def _ratio_table(title: str, rows: list[tuple], impls: list[str], ref_head: str,
+                 flag: Callable) -> list[str]:
+    """rows: (op, mode, dtype, cols, ref us, {impl: ratio}); flag(mode, impl, ratio) -> bool
+    marks a cell with "*"."""
+    w = max(10, *(len(r[0]) for r in rows))
+    lines = ["", title, f"{'op':<{w}} {'mode':<8} {'dtype':<5} {'cols':>6} {ref_head:>9} "
+             + " ".join(f"{i:>8}" for i in impls)]
+    for op, mode, dtype, cols, ref_us, ratios in rows:
+        cells = [(f"{ratios[i]:.3f}" + ("*" if flag(mode, i, ratios[i]) else " ")).rjust(8)
+                 if i in ratios else f"{'-':>7} " for i in impls]
+        lines.append(f"{op:<{w}} {mode:<8} {dtype:<5} {cols:>6} {ref_us:>9.1f} " + " ".join(cells))
+    return lines
+
+
+def masked_vs_unmasked(records: list[Record]) -> list[tuple]:
+    """(op, mode, dtype, cols, unmasked xla us (nan if xla did not run), {impl: masked us /
+    unmasked us}) per masked-variant shape (softmax_mask, softmax_causal) whose unmasked
+    op (softmax) ran in the same run for the same impl."""
+    timed = _timed(records)
+    out = []
+    for op, mode, dtype, cols in dict.fromkeys(k[:4] for k in timed):
+        plain = SPECS[op].unmasked
+        if plain is None:
+            continue
+        ratios = {impl: us / timed[(plain, mode, dtype, cols, impl)]
+                  for (o, m, d, c, impl), us in timed.items()
+                  if (o, m, d, c) == (op, mode, dtype, cols)
+                  and (plain, mode, dtype, cols, impl) in timed}
+        if ratios:
+            ref = timed.get((plain, mode, dtype, cols, "xla"))
+            out.append((op, mode, dtype, cols, ref if ref is not None else math.nan, ratios))
+    return out
+
+
+def format_masked_summary(records: list[Record], impls: Sequence[str]) -> str:
+    """Masked / unmasked softmax time per impl (softmax_mask, softmax_causal vs softmax)."""
+    rows = masked_vs_unmasked(records)
+    if not rows:
+        return ""
+    impls = [i for i in impls if any(i in r[-1] for r in rows)]
+    lines = _ratio_table(
+        f"masked / unmasked softmax time, same impl, mode, dtype and cols (target <= "
+        f"{MASK_TARGET} for {'/'.join(MASKED_TARGET_IMPLS)}; * above); xla us: unmasked "
+        f"softmax, xla", rows, impls, "xla us",
+        lambda mode, impl, ratio: impl in MASKED_TARGET_IMPLS and ratio > MASK_TARGET)
+    worst = []
+    for i in impls:
+        vals = [r[-1][i] for r in rows if i in r[-1]]
+        if i not in MASKED_TARGET_IMPLS:
+            continue
+        worst.append(f"{i} {max(vals):.3f} ({sum(v <= MASK_TARGET for v in vals)}/{len(vals)} "
+                     f"<= {MASK_TARGET})")
+    lines.append("worst masked/unmasked: " + ", ".join(worst))
+    return "\n".join(lines)
+
+
+def speedup_over_xla(records: list[Record]) -> list[tuple]:
+    """(op, mode, dtype, cols, xla us, {impl: xla us / impl us}) for the ops with
+    xla_summary (softmax, log_softmax), per shape where xla ran."""
+    timed = _timed(records)
+    out = []
+    for op, mode, dtype, cols in dict.fromkeys(k[:4] for k in timed):
+        xla = timed.get((op, mode, dtype, cols, "xla"))
+        if not SPECS[op].xla_summary or xla is None:
+            continue
+        ratios = {impl: xla / us for (o, m, d, c, impl), us in timed.items()
+                  if (o, m, d, c) == (op, mode, dtype, cols) and impl != "xla"}
+        if ratios:
+            out.append((op, mode, dtype, cols, xla, ratios))
+    return out
+
+
+def format_xla_summary(records: list[Record], impls: Sequence[str]) -> str:
+    """Speedup over xla of every impl on softmax / log_softmax."""
+    rows = speedup_over_xla(records)
+    if not rows:
+        return ""
+    impls = [i for i in impls if any(i in r[-1] for r in rows)]
+    lines = _ratio_table(
+        f"speedup over xla: xla time / impl time (target: fwd_bwd >= {XLA_SPEEDUP_TARGET} "
+        f"for {'/'.join(OUR_IMPLS)}; * below)", rows, impls, "xla us",
+        lambda mode, impl, s: mode == "fwd_bwd" and impl in OUR_IMPLS and s < XLA_SPEEDUP_TARGET)
+    counts = []
+    for i in impls:
+        vals = [r[-1][i] for r in rows if r[1] == "fwd_bwd" and i in r[-1]]
+        if vals and i in OUR_IMPLS:
+            counts.append(f"{i} {sum(v >= XLA_SPEEDUP_TARGET for v in vals)}/{len(vals)} "
+                          f"(min {min(vals):.3f})")
+    if counts:
+        lines.append(f"fwd_bwd >= {XLA_SPEEDUP_TARGET}x xla: " + ", ".join(counts))
+    return "\n".join(lines)
+
+
 def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
-    """Merges this run's fwd/bwd times of cuda/pallas/xla into dispatch table `path`."""
+    """Merges this run's fwd/bwd times of cuda/pallas/xla into dispatch table `path`.
+
+    Each op writes the stages of its spec's table_stages: the norms fwd, bwd and the
+    derived fwd_stats; softmax and log_softmax fwd and bwd (their training forward is
+    the inference forward); softmax_mask and softmax_causal nothing (they run the
+    softmax kernels; they are benchmarked for the masked / unmasked ratio)."""
     table = {"device_kind": meta["device_kind"], "entries": []}
     if path.exists():
         table = json.loads(path.read_text())
@@ -549,7 +860,8 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
                              f"this run is on {meta['device_kind']!r}")
     new = {}
     for r in records:  # the stages are the fwd and bwd modes; fwd_bwd is their sum
-        if r.mode in ("fwd", "bwd") and r.impl in KERNEL_IMPLS and r.time_us is not None:
+        if (r.mode in ("fwd", "bwd") and r.mode in SPECS[r.op].table_stages
+                and r.impl in KERNEL_IMPLS and r.time_us is not None):
             key = (r.op, r.mode, jnp.dtype(DTYPES[r.dtype]).name, r.rows, r.cols)
             new.setdefault(key, {})[r.impl] = round(r.time_us, 3)
     # The training forward (writes mean/rstd too) is what fwd_bwd adds to bwd. For xla
@@ -565,6 +877,8 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
         if mode == "bwd" and us < timed.get((op, mode, dtype, rows, cols, fastest_bwd.get(shape)), math.inf):
             fastest_bwd[shape] = impl
     for (op, mode, dtype, rows, cols, impl), us in timed.items():
+        if "fwd_stats" not in SPECS[op].table_stages:
+            continue
         bwd = timed.get((op, "bwd", dtype, rows, cols, impl))
         if mode != "fwd_bwd" or bwd is None or us <= bwd:
             continue
@@ -625,8 +939,17 @@ def metadata(cfg, argv: Sequence[str]) -> dict:
         "repeats": cfg.repeats,
         "footprint_mb": cfg.footprint_mb,
         "baseline": cfg.baseline,
-        "epsilon": {op: EPSILON[op] for op in cfg.ops},
+        "epsilon": {op: SPECS[op].epsilon for op in cfg.ops if SPECS[op].epsilon is not None},
+        **_views(cfg),
     }
+
+
+def _views(cfg) -> dict:
+    """{"views": {op: {cols: [B, Q, cols]}}} for the ops that view x as (B, Q, cols)."""
+    views = {op: {str(c): [cfg.rows // view_len(cfg.rows, c, SPECS[op].view_cap),
+                           view_len(cfg.rows, c, SPECS[op].view_cap), c] for c in cfg.cols}
+             for op in cfg.ops if SPECS[op].view_cap is not None}
+    return {"views": views} if views else {}
 
 
 def _flax_version() -> str | None:
@@ -674,7 +997,8 @@ def _list(choices: Sequence[str] | None = None, kind=str):
 def parse_args(argv: Sequence[str] | None):
     p = argparse.ArgumentParser(prog="python -m jax_ops.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", type=_list(OPS), default=["layer_norm"], help="layer_norm, rms_norm")
+    p.add_argument("--op", type=_list(OPS), default=["layer_norm"],
+                   help=", ".join(OPS) + " (default layer_norm)")
     p.add_argument("--impl", type=_list(IMPLS), default=None,
                    help="default: cuda,xla,flax (jnp when flax is missing)")
     p.add_argument("--dtype", type=_list(tuple(DTYPES)), default=["bf16"], help="bf16, f32, f16")
@@ -747,6 +1071,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_tables(records, cfg.impls, cfg.baseline, meta))
     if "auto" in cfg.impls:
         print(format_auto_summary(records))
+    for summary in (format_masked_summary(records, cfg.impls),
+                    format_xla_summary(records, cfg.impls)):
+        if summary:
+            print(summary)
     if cfg.table:
         path = write_table(Path(cfg.table), meta, records)
         log(f"wrote dispatch table {path}")

@@ -178,7 +178,7 @@ def choose(q: Query, implementation: str | None) -> Decision:
         raise ValueError(f"jax_ops.{q.op}: implementation={implementation!r} can't run "
                          f"{q.describe()}: {why}. Implementations that can: {can}")
 
-    ok = {n: i for n, i in impls.items() if i.why_not(q) is None}
+    ok = {n: i for n, i in impls.items() if i.why_not_automatic(q) is None}
     if not ok:  # "xla" supports everything; only reachable with a broken registry
         raise ValueError(f"jax_ops.{q.op}: no implementation can run {q.describe()}")
 

@@ -16,16 +16,17 @@ from jax_ops import _extension, dispatch, registry
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-#: primitive -> (stage, op_of(params), variant_of(params)); dispatch.explain and autotune read it
-PRIMITIVES: dict[Primitive, tuple[str, Callable[[dict], str], Callable[[dict], str]]] = {}
+#: primitive -> (stage, op_of(params), variant_of(params), shape_of(shape, params));
+#: dispatch.explain and autotune read it
+PRIMITIVES: dict[Primitive, tuple] = {}
 
 
 def query(prim: Primitive, avals, params: dict, platform: str) -> registry.Query:
     """The dispatch query of one call of `prim` (operand 0 has x's shape and dtype)."""
-    stage, op_of, variant_of = PRIMITIVES[prim]
+    stage, op_of, variant_of, shape_of = PRIMITIVES[prim]
     x = avals[0]
-    return registry.Query(op_of(params), stage, platform, tuple(x.shape), x.dtype.name,
-                          dispatch.device_kind(platform), variant_of(params))
+    return registry.Query(op_of(params), stage, platform, tuple(shape_of(tuple(x.shape), params)),
+                          x.dtype.name, dispatch.device_kind(platform), variant_of(params))
 
 
 def op_calls(fn: Callable, *args, **kwargs) -> list[tuple]:
@@ -57,11 +58,14 @@ def default_platform() -> str:
 
 def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
                      abstract_eval: Callable, batching_rule: Callable | None = None,
-                     variant_of: Callable[[dict], str] = lambda params: "") -> Primitive:
+                     variant_of: Callable[[dict], str] = lambda params: "",
+                     shape_of: Callable[[tuple, dict], tuple] = lambda shape, params: shape) -> Primitive:
     """Creates primitive `jax_ops_<name>` (multiple results) for one stage of an op.
 
     variant_of(params) names a flavour of the stage that the measured tables time
     separately (a training forward that also writes statistics: "stats").
+    shape_of(x's shape, params) is the (rows..., cols) shape the dispatcher sees, where
+    the reduced axis need not be x's last (softmax over another axis).
 
     Every such primitive carries an `implementation` param (None = automatic); the
     others are passed to the chosen implementation's lowering.
@@ -70,7 +74,7 @@ def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
     prim.multiple_results = True
     prim.def_impl(partial(jax._src.dispatch.apply_primitive, prim))
     prim.def_abstract_eval(abstract_eval)
-    PRIMITIVES[prim] = (stage, op_of, variant_of)
+    PRIMITIVES[prim] = (stage, op_of, variant_of, shape_of)
 
     def lowering(ctx, *args, platform, implementation, **params):
         q = query(prim, ctx.avals_in, params, platform)

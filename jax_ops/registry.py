@@ -71,6 +71,9 @@ class Implementation:
     configs(query) -> tunable parameter sets autotune tries (first = default), or None.
     prefer: the automatic choice takes it, where it is supported, over the built-in
       heuristics (measured tables and autotune results still come first).
+    automatic(query) -> (ok, reason) or bool: where the automatic choice may take it
+      (default: wherever supported); e.g. kernels that would need a transpose copy
+      leave a softmax over a non-last axis to XLA unless asked for by name.
     """
     op: str
     name: str
@@ -80,6 +83,7 @@ class Implementation:
     prefer: bool = False
     builtin: bool = True
     description: str = ""
+    automatic: Supports | None = None
 
     def why_not(self, q: Query) -> str | None:
         """None if this implementation can serve q, else the reason it can't."""
@@ -88,6 +92,15 @@ class Implementation:
         res = self.supports(q)
         ok, why = (res, "") if isinstance(res, bool) else res
         return None if ok else (why or f"{self.name!r} does not support {q.describe()}")
+
+    def why_not_automatic(self, q: Query) -> str | None:
+        """None if the automatic choice may pick this implementation for q, else why not."""
+        why = self.why_not(q)
+        if why is not None or self.automatic is None:
+            return why
+        res = self.automatic(q)
+        ok, why = (res, "") if isinstance(res, bool) else res
+        return None if ok else (why or f"{self.name!r} is not chosen automatically for {q.describe()}")
 
     def default_config(self, q: Query) -> dict | None:
         return self.configs(q)[0] if self.configs is not None else None

@@ -1,0 +1,128 @@
+// Host-device math of the Softmax/LogSoftmax family, shared by the CPU handlers
+// and the CUDA kernels so both compute the same function the same way.
+//
+// Per row of x (the softmax axis last): logits z_j = x_j * scale, then the mask
+// (bool: keep or -inf; additive: + m_j) and the causal rule (keep j <= i + offset,
+// i the row's position along the query axis). With m = max z and s = Σ exp(z - m):
+//   softmax     y = exp(z - m) / s        (all 0 when every z is -inf)
+//   log_softmax y = z - m - log s         (all -inf when every z is -inf)
+// Backward from y alone, with dz the gradient of the logits and dx = scale * dz:
+//   softmax     dz = y * (dy - Σ dy·y)
+//   log_softmax dz = dy - exp(y) * Σ dy, and 0 where y = -inf (masked)
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include "cuda_src/common.h"
+
+namespace jax_ops::softmax {
+
+enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kAddMask = 2 /* x's dtype */, kAddMaskF32 = 3 };
+
+// Row of x -> row of the (broadcast) mask: Σ_g ((row / inner_g) % size_g) * stride_g
+// over the mask's non-broadcast groups of leading axes (jax_ops/softmax.py builds it).
+constexpr int kMaxMaskGroups = 4;
+struct MaskMap {
+  int groups = 0;
+  int64_t inner[kMaxMaskGroups] = {}, size[kMaxMaskGroups] = {}, stride[kMaxMaskGroups] = {};
+};
+
+JO_HD int64_t mask_row(const MaskMap& m, int64_t row) {
+  int64_t r = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int g = 0; g < kMaxMaskGroups; ++g)  // fixed trip count: the arrays stay in registers
+    if (g < m.groups) r += ((row / m.inner[g]) % m.size[g]) * m.stride[g];
+  return r;
+}
+
+struct FwdArgs {
+  const void* x; void* y;
+  const void* mask; int mask_kind; MaskMap map;  // mask: [mask rows, cols]
+  int64_t rows, cols;
+  float scale; bool log;
+  bool causal; int64_t q_len, offset;  // causal: keep col <= (row % q_len) + offset
+};
+
+struct BwdArgs {
+  const void* y; const void* dy; void* dx;
+  int64_t rows, cols;
+  float scale; bool log;
+};
+
+JO_HD float neg_inf() { return -INFINITY; }
+
+JO_HD float exp_f32(float v) {
+#if defined(__CUDA_ARCH__)
+  return __expf(v);  // ex2.approx(v * log2 e): 2 ulp near 0, where the mass is
+#else
+  return std::exp(v);
+#endif
+}
+
+JO_HD float log_f32(float v) {
+#if defined(__CUDA_ARCH__)
+  return __logf(v);
+#else
+  return std::log(v);
+#endif
+}
+
+// Running (max, Σ exp(z - max)) of a set of logits. merge() is symmetric, so
+// a butterfly gives every lane bitwise equal results.
+struct MaxSum {
+  float m = neg_inf(), s = 0.f;
+  JO_HD void merge(float om, float os) {
+    const float nm = om > m ? om : m;
+    if (nm == neg_inf()) return;  // both empty (or fully masked)
+    s = s * exp_f32(m - nm) + os * exp_f32(om - nm);
+    m = nm;
+  }
+};
+
+// The last column the causal rule keeps in `row` (every column without the rule);
+// computed once per row: the modulo is a 64-bit division.
+JO_HD int64_t causal_limit(const FwdArgs& a, int64_t row) {
+  return a.causal ? (row % a.q_len) + a.offset : INT64_MAX;
+}
+
+// One logit: x scaled, with this element's mask value applied (mask value: the bool
+// as 0/1 or the additive term, as float).
+JO_HD float logit(float x, float scale, int mask_kind, float mask_value, bool keep) {
+  if (!keep || (mask_kind == kBoolMask && mask_value == 0.f)) return neg_inf();
+  const float z = x * scale;
+  return (mask_kind == kAddMask || mask_kind == kAddMaskF32) ? z + mask_value : z;
+}
+
+// Row constants for the output: softmax uses 1/s, log_softmax m + log s.
+struct RowOut {
+  float m, inv_s, m_log_s;
+  bool empty;  // every logit -inf
+};
+
+JO_HD RowOut finish_row(MaxSum ms) {
+  RowOut r;
+  r.empty = !(ms.s > 0.f);
+  r.m = r.empty ? 0.f : ms.m;
+  r.inv_s = r.empty ? 0.f : 1.f / ms.s;
+  r.m_log_s = r.empty ? 0.f : ms.m + log_f32(ms.s);
+  return r;
+}
+
+JO_HD float softmax_out(float z, const RowOut& r, bool log) {
+  if (log) return r.empty ? neg_inf() : z - r.m_log_s;
+  return r.empty ? 0.f : exp_f32(z - r.m) * r.inv_s;
+}
+
+// Per-element term of the backward's row sum: dy·y (softmax) or dy (log_softmax).
+JO_HD float bwd_dot_term(float y, float dy, bool log) {
+  if (log) return y == neg_inf() ? 0.f : dy;
+  return dy * y;
+}
+
+JO_HD float softmax_dx(float y, float dy, float dot, float scale, bool log) {
+  if (log) return y == neg_inf() ? 0.f : scale * (dy - exp_f32(y) * dot);
+  return scale * (y * (dy - dot));
+}
+
+}  // namespace jax_ops::softmax

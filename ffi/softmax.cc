@@ -1,0 +1,215 @@
+// XLA FFI handlers of the Softmax/LogSoftmax family ("jax_ops_softmax_fwd",
+// "jax_ops_softmax_bwd"): CPU always, CUDA when this file is compiled by nvcc.
+// x has the softmax axis last. The mask (has_mask) has x's rank, its last axis is
+// x's, and mask_map (flat [inner, size, stride] triples) maps a row of x to a row
+// of the mask (cuda_src/softmax_math.h). causal uses x's last two axes (q, k).
+#include <cmath>
+#include <string>
+#include <vector>
+#include "ffi/common.h"
+#include "ffi/handlers.h"
+#include "cuda_src/softmax_math.h"
+#ifdef JAX_OPS_WITH_CUDA
+#include "cuda_src/softmax.cuh"
+#endif
+
+namespace jax_ops::softmax {
+namespace {
+
+ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument(what); }
+
+ffi::ErrorOr<MaskMap> parse_mask_map(ffi::Span<const int64_t> flat, int64_t rows, int64_t mask_rows) {
+  MaskMap m;
+  if (flat.size() % 3 != 0 || flat.size() / 3 > size_t(kMaxMaskGroups))
+    return invalid("mask_map must hold 1 to " + std::to_string(kMaxMaskGroups) + " (inner, size, stride) triples; got " +
+                   std::to_string(flat.size()) + " values");
+  m.groups = int(flat.size() / 3);
+  int64_t last = 0;  // the largest mask row the map can produce
+  for (int g = 0; g < m.groups; ++g) {
+    m.inner[g] = flat[3 * g]; m.size[g] = flat[3 * g + 1]; m.stride[g] = flat[3 * g + 2];
+    if (m.inner[g] < 1 || m.size[g] < 1 || m.stride[g] < 0) return invalid("mask_map has a non-positive inner/size or a negative stride");
+    last += (m.size[g] - 1) * m.stride[g];
+  }
+  if (rows > 0 && last >= mask_rows)
+    return invalid("mask_map reaches mask row " + std::to_string(last) + " but the mask has " + std::to_string(mask_rows) + " rows");
+  return m;
+}
+
+ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer y, float scale, bool log,
+                               bool causal, bool has_mask, ffi::Span<const int64_t> mask_map) {
+  const auto d = x.dimensions();
+  if (d.size() < 1) return invalid("x must have rank >= 1 (the softmax axis last); got a scalar");
+  FwdArgs a{};
+  a.cols = d.back();
+  a.rows = 1;
+  for (size_t i = 0; i + 1 < d.size(); ++i) a.rows *= d[i];
+  if (y.element_type() != x.element_type() || y.element_count() != x.element_count())
+    return invalid("y must match x in shape and dtype");
+  a.x = x.untyped_data(); a.y = y.untyped_data();
+  a.scale = scale; a.log = log; a.causal = causal;
+  if (causal) {
+    if (d.size() < 2) return invalid("causal needs x of rank >= 2 (..., q, k); got shape " + dims_str(d));
+    a.q_len = d[d.size() - 2];
+    a.offset = a.cols - a.q_len;  // bottom-right aligned
+    if (a.q_len < 1) a.q_len = 1;  // no rows then
+  }
+  a.mask_kind = kNoMask;
+  a.mask = nullptr;
+  if (has_mask) {
+    const auto md = mask.dimensions();
+    if (md.size() != d.size() || md.back() != a.cols)
+      return invalid("mask must have x's rank and last axis; got mask " + dims_str(md) + " for x " + dims_str(d));
+    const ffi::DataType mt = mask.element_type();
+    a.mask_kind = mt == ffi::DataType::PRED ? kBoolMask
+                : mt == x.element_type() ? kAddMask
+                : mt == ffi::DataType::F32 ? kAddMaskF32 : -1;
+    if (a.mask_kind < 0)
+      return invalid(std::string("mask must be bool, float32 or x's dtype; got ") + dtype_name(mt));
+    const int64_t mask_rows = a.cols ? int64_t(mask.element_count()) / a.cols : 0;
+    auto map = parse_mask_map(mask_map, a.rows, mask_rows);
+    if (map.has_error()) return map.error();
+    a.map = map.value();
+    a.mask = mask.untyped_data();
+  }
+  return a;
+}
+
+ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::AnyBuffer dx, float scale, bool log) {
+  const auto d = y.dimensions();
+  if (d.size() < 1) return invalid("y must have rank >= 1 (the softmax axis last); got a scalar");
+  if (dy.element_type() != y.element_type() || dy.element_count() != y.element_count())
+    return invalid("dy must match y in shape and dtype");
+  if (dx.element_type() != y.element_type() || dx.element_count() != y.element_count())
+    return invalid("dx must match y in shape and dtype");
+  BwdArgs a{};
+  a.cols = d.back();
+  a.rows = 1;
+  for (size_t i = 0; i + 1 < d.size(); ++i) a.rows *= d[i];
+  a.y = y.untyped_data(); a.dy = dy.untyped_data(); a.dx = dx.untyped_data();
+  a.scale = scale; a.log = log;
+  return a;
+}
+
+// Calls fn(T{}) with the storage type of an activation dtype.
+template <typename Fn>
+ffi::Error dispatch_act(ffi::DataType t, Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::F32: return fn(float{});
+    case ffi::DataType::BF16: return fn(bf16_t{});
+    case ffi::DataType::F16: return fn(f16_t{});
+    default: return invalid(std::string("x has dtype ") + dtype_name(t) + "; expected float32, bfloat16 or float16");
+  }
+}
+
+// ------------------------------------------------------------------- CPU ---
+
+template <typename T>
+float mask_value(const FwdArgs& a, int64_t idx) {
+  switch (a.mask_kind) {
+    case kBoolMask: return static_cast<const uint8_t*>(a.mask)[idx] ? 1.f : 0.f;
+    case kAddMask: return to_float(static_cast<const T*>(a.mask)[idx]);
+    case kAddMaskF32: return static_cast<const float*>(a.mask)[idx];
+    default: return 0.f;
+  }
+}
+
+template <typename T>
+void fwd_cpu(const FwdArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  std::vector<float> z(a.cols);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const int64_t mrow = a.mask_kind != kNoMask ? mask_row(a.map, r) : 0;
+    const int64_t climit = causal_limit(a, r);
+    MaxSum ms;
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float mv = a.mask_kind != kNoMask ? mask_value<T>(a, mrow * a.cols + c) : 0.f;
+      z[c] = logit(to_float(x[r * a.cols + c]), a.scale, a.mask_kind, mv, c <= climit);
+      ms.m = z[c] > ms.m ? z[c] : ms.m;
+    }
+    if (ms.m != neg_inf())
+      for (int64_t c = 0; c < a.cols; ++c) ms.s += exp_f32(z[c] - ms.m);
+    const RowOut out = finish_row(ms);
+    for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = from_float<T>(softmax_out(z[c], out, a.log));
+  }
+}
+
+template <typename T>
+void bwd_cpu(const BwdArgs& a) {
+  const T* y = static_cast<const T*>(a.y);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    float dot = 0.f;
+    for (int64_t c = 0; c < a.cols; ++c) dot += bwd_dot_term(to_float(y[r * a.cols + c]), to_float(dy[r * a.cols + c]), a.log);
+    for (int64_t c = 0; c < a.cols; ++c)
+      dx[r * a.cols + c] = from_float<T>(softmax_dx(to_float(y[r * a.cols + c]), to_float(dy[r * a.cols + c]), dot, a.scale, a.log));
+  }
+}
+
+ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> y, float scale, bool log,
+                         bool causal, bool has_mask, ffi::Span<const int64_t> mask_map) {
+  auto args = fwd_args(x, mask, *y, scale, log, causal, has_mask, mask_map);
+  if (args.has_error()) return args.error();
+  return dispatch_act(x.element_type(), [&](auto t) {
+    fwd_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, float scale, bool log) {
+  auto args = bwd_args(y, dy, *dx, scale, log);
+  if (args.has_error()) return args.error();
+  return dispatch_act(y.element_type(), [&](auto t) {
+    bwd_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+#ifdef JAX_OPS_WITH_CUDA
+// ------------------------------------------------------------------ CUDA ---
+
+ffi::Error cuda_status(cudaError_t err, const char* what) {
+  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
+}
+
+ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> y,
+                          float scale, bool log, bool causal, bool has_mask, ffi::Span<const int64_t> mask_map) {
+  auto args = fwd_args(x, mask, *y, scale, log, causal, has_mask, mask_map);
+  if (args.has_error()) return args.error();
+  return dispatch_act(x.element_type(), [&](auto t) {
+    return cuda_status(launch_fwd<decltype(t)>(args.value(), stream), "jax_ops_softmax_fwd");
+  });
+}
+
+ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
+                          float scale, bool log) {
+  auto args = bwd_args(y, dy, *dx, scale, log);
+  if (args.has_error()) return args.error();
+  return dispatch_act(y.element_type(), [&](auto t) {
+    return cuda_status(launch_bwd<decltype(t)>(args.value(), stream), "jax_ops_softmax_bwd");
+  });
+}
+#endif
+
+}  // namespace
+}  // namespace jax_ops::softmax
+
+namespace ffi = xla::ffi;
+
+#define JO_SOFTMAX_FWD_SIGNATURE(bind)                                                      \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                   \
+      .Attr<float>("scale").Attr<bool>("log").Attr<bool>("causal").Attr<bool>("has_mask")  \
+      .Attr<ffi::Span<const int64_t>>("mask_map")
+#define JO_SOFTMAX_BWD_SIGNATURE(bind)                                                      \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                   \
+      .Attr<float>("scale").Attr<bool>("log")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxFwdCpu, jax_ops::softmax::SoftmaxFwdCpu, JO_SOFTMAX_FWD_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxBwdCpu, jax_ops::softmax::SoftmaxBwdCpu, JO_SOFTMAX_BWD_SIGNATURE(ffi::Ffi::Bind()));
+#ifdef JAX_OPS_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxFwdCuda, jax_ops::softmax::SoftmaxFwdCuda,
+                              JO_SOFTMAX_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxBwdCuda, jax_ops::softmax::SoftmaxBwdCuda,
+                              JO_SOFTMAX_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+#endif

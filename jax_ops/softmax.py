@@ -1,0 +1,464 @@
+"""Softmax and LogSoftmax over any axis, as JAX primitives with a custom VJP.
+
+Forward primitive  jax_ops_softmax_fwd(x, mask) -> (y,)
+Backward primitive jax_ops_softmax_bwd(y, dy) -> (dx,)
+
+Params: axis (negative: counted from the end, so batching never shifts it), scale,
+log (log_softmax), causal, mask_kind ("none" | "bool" | "add"). The mask operand
+has x's rank (a broadcast mask keeps its size-1 axes; absent: a zero-element
+float32 array). Logits z = x * scale, then the mask (bool: False -> -inf; additive:
++ mask) and the causal rule (x is (..., q, k): keep j <= i + k - q, bottom-right
+aligned). Math in float32, y in x's dtype.
+
+Rows whose logits are all -inf (fully masked): softmax 0, log_softmax -inf.
+The VJP keeps y only:
+  softmax      dx = scale * y * (dy - Σ dy·y)
+  log_softmax  dx = scale * (dy - exp(y) * Σ dy), 0 where y = -inf (masked)
+An additive mask gets the logits' gradient dz = dx / scale, summed over the axes
+it is broadcast along. Bool masks have no gradient.
+
+The kernels (cuda, pallas) see the softmax axis last: for another axis they work on
+a transposed copy (jnp.moveaxis), so the automatic choice leaves those calls to XLA,
+which reduces over a strided axis in place.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+
+from jax_ops import registry
+from jax_ops.primitive import (define_primitive, ffi_supports, jnp_lowering, pallas_lowering,
+                               pallas_supports)
+from pallas_kernels import softmax as pallas_softmax
+
+ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_F32 = jnp.dtype(jnp.float32)
+MAX_MASK_GROUPS = 4  # cuda_src/softmax_math.h kMaxMaskGroups
+
+
+def _empty():
+    return jnp.zeros((0,), jnp.float32)
+
+
+def _fmt_dtype(d) -> str:
+    return jnp.dtype(d).name
+
+
+def _op_of(params) -> str:
+    return "log_softmax" if params["log"] else "softmax"
+
+
+# ------------------------------------------------------------- validation ---
+
+def _check_x(op, x):
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"jax_ops.{op}: x must be float32, bfloat16 or float16; "
+                        f"got dtype {_fmt_dtype(x.dtype)}")
+    if x.ndim < 1:
+        raise ValueError(f"jax_ops.{op}: x must have at least 1 dimension; got shape {tuple(x.shape)}")
+
+
+def _normalize_axis(op, axis, ndim) -> int:
+    """axis -> the same axis counted from the end (-1 = last)."""
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"jax_ops.{op}: axis must be an int; got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"jax_ops.{op}: axis {axis} is out of range for x of rank {ndim} "
+                         f"(expected -{ndim} <= axis < {ndim})")
+    return int(axis) - ndim if axis >= 0 else int(axis)
+
+
+def _check_scale(op, scale) -> float:
+    if scale is None:
+        return 1.0
+    if isinstance(scale, (jax.Array, np.ndarray)) and np.ndim(scale) == 0:
+        try:  # a concrete 0-d array is a number; a traced one can't be a static scale
+            scale = float(scale)
+        except (jax.errors.ConcretizationTypeError, TypeError):
+            raise TypeError(f"jax_ops.{op}: scale must be a concrete real number (it is "
+                            "compiled into the kernel); got a traced array. Multiply x by "
+                            "it instead") from None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"jax_ops.{op}: scale must be a real number or None; got "
+                        f"{type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"jax_ops.{op}: scale must be finite; got {scale}")
+    return float(scale)
+
+
+def _prepare_mask(op, x, mask):
+    """The mask with x's rank, and its kind; raises on bad dtype or shape."""
+    if mask is None:
+        return None, "none"
+    mask = jnp.asarray(mask)
+    if mask.dtype == jnp.bool_:
+        kind = "bool"
+    elif jnp.issubdtype(mask.dtype, jnp.floating):
+        kind = "add"
+        if mask.dtype not in (_F32, x.dtype):  # e.g. float16 with bfloat16 x: widen
+            mask = mask.astype(jnp.float32)
+    else:
+        raise TypeError(f"jax_ops.{op}: mask must be bool (True = keep) or floating (added to "
+                        f"the logits); got dtype {_fmt_dtype(mask.dtype)}")
+    try:
+        np.broadcast_shapes(tuple(mask.shape), tuple(x.shape))
+        ok = mask.ndim <= x.ndim and np.broadcast_shapes(mask.shape, x.shape) == tuple(x.shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"jax_ops.{op}: mask of shape {tuple(mask.shape)} does not broadcast "
+                         f"to x's shape {tuple(x.shape)}")
+    return mask.reshape((1,) * (x.ndim - mask.ndim) + tuple(mask.shape)), kind
+
+
+# ---------------------------------------------------------- mask row maps ---
+
+def mask_groups(x_shape, mask_shape) -> list[tuple[int, int, int]]:
+    """(inner, size, stride) groups mapping a row of x to a row of the mask, both with
+    the softmax axis last and the same rank: mask row = Σ ((row // inner) % size) * stride.
+    Consecutive kept axes merge; broadcast axes contribute nothing."""
+    groups, inner, stride = [], 1, 1
+    open_group = False
+    for xs, ms in zip(reversed(x_shape[:-1]), reversed(mask_shape[:-1])):
+        if xs == 1:
+            continue
+        if ms == xs:
+            if open_group:
+                g = groups[-1]
+                groups[-1] = (g[0], g[1] * xs, g[2])
+            else:
+                groups.append((inner, xs, stride))
+                open_group = True
+            stride *= xs
+        else:
+            open_group = False
+        inner *= xs
+    return groups or [(1, 1, 0)]
+
+
+def _kernel_layout(x, mask, axis, mask_kind):
+    """x and mask with the softmax axis last, the mask's last axis at full length and
+    at most MAX_MASK_GROUPS groups (else materialized); (x, mask2d | None, groups)."""
+    x = jnp.moveaxis(x, axis, -1)
+    if mask_kind == "none":
+        return x, None, None
+    mask = jnp.moveaxis(mask, axis, -1)
+    if mask.shape[-1] != x.shape[-1]:
+        mask = jnp.broadcast_to(mask, mask.shape[:-1] + x.shape[-1:])
+    groups = mask_groups(x.shape, mask.shape)
+    if len(groups) > MAX_MASK_GROUPS:
+        mask = jnp.broadcast_to(mask, x.shape)
+        groups = mask_groups(x.shape, mask.shape)
+    return x, mask.reshape(-1, x.shape[-1]), groups
+
+
+def _causal_dims(shape):
+    q = shape[-2] if len(shape) >= 2 else 1
+    return q, shape[-1] - q
+
+
+# ---------------------------------------------------------------- forward ---
+
+def _fwd_abstract(x, mask, *, axis, scale, log, causal, mask_kind, implementation):
+    op = "log_softmax" if log else "softmax"
+    _check_x(op, x)
+    if mask_kind != "none" and mask.ndim != x.ndim:
+        raise ValueError(f"jax_ops {op} primitive: mask must have x's rank; got {mask.shape} for {x.shape}")
+    return (core.ShapedArray(x.shape, x.dtype),)
+
+
+def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind):
+    z = x.astype(jnp.float32)
+    if scale != 1.0:
+        z = z * scale
+    keep = None
+    if mask_kind == "bool":
+        keep = mask
+    elif mask_kind == "add":
+        z = z + mask.astype(jnp.float32)
+    if causal:
+        q, offset = _causal_dims(x.shape)
+        tri = jnp.arange(x.shape[-1])[None, :] <= jnp.arange(q)[:, None] + offset
+        keep = tri if keep is None else keep & tri
+    if keep is not None:
+        z = jnp.where(keep, z, -jnp.inf)
+    m = jnp.max(z, axis=axis, keepdims=True)
+    empty = m == -jnp.inf
+    m = jnp.where(empty, 0.0, m)
+    e = jnp.exp(z - m)
+    s = jnp.sum(e, axis=axis, keepdims=True)
+    if log:
+        y = jnp.where(empty, -jnp.inf, z - (m + jnp.log(s)))
+    else:
+        y = jnp.where(empty, 0.0, e / s)
+    return (y.astype(x.dtype),)
+
+
+def _fwd_batch(args, dims, **params):
+    x, mask = args
+    xd, md = dims
+    size = x.shape[xd] if xd is not None else mask.shape[md]
+    x = jnp.moveaxis(x, xd, 0) if xd is not None else jnp.broadcast_to(x, (size,) + x.shape)
+    if params["mask_kind"] != "none":
+        mask = jnp.moveaxis(mask, md, 0) if md is not None else mask[None]
+    # axis counts from the end and causal uses the last two axes: a new leading axis
+    # changes neither.
+    return softmax_fwd_p.bind(x, mask, **params), (0,)
+
+
+def _query_shape(shape, params):
+    axis = params["axis"]
+    return shape[:axis] + shape[axis + 1:] + (shape[axis],) if axis != -1 else shape
+
+
+def _variant(params):
+    return "" if params["axis"] == -1 else "strided"
+
+
+softmax_fwd_p = define_primitive("softmax_fwd", stage="fwd", op_of=_op_of,
+                                 abstract_eval=_fwd_abstract, batching_rule=_fwd_batch,
+                                 variant_of=_variant, shape_of=_query_shape)
+
+
+# --------------------------------------------------------------- backward ---
+
+def _bwd_abstract(y, dy, *, axis, scale, log, implementation):
+    if dy.shape != y.shape or dy.dtype != y.dtype:
+        raise ValueError(f"jax_ops softmax backward: dy must match y; got dy {dy.shape} "
+                         f"{_fmt_dtype(dy.dtype)} and y {y.shape} {_fmt_dtype(y.dtype)}")
+    return (core.ShapedArray(y.shape, y.dtype),)
+
+
+def _logit_grad(y, dy, axis, log):
+    """dz (float32): the gradient of the logits, from y and dy."""
+    yf, dyf = y.astype(jnp.float32), dy.astype(jnp.float32)
+    if log:
+        live = yf != -jnp.inf
+        dot = jnp.sum(jnp.where(live, dyf, 0.0), axis=axis, keepdims=True)
+        return jnp.where(live, dyf - jnp.exp(yf) * dot, 0.0)
+    dot = jnp.sum(dyf * yf, axis=axis, keepdims=True)
+    return yf * (dyf - dot)
+
+
+def _bwd_reference(y, dy, *, axis, scale, log):
+    return ((scale * _logit_grad(y, dy, axis, log)).astype(y.dtype),)
+
+
+def _bwd_batch(args, dims, **params):
+    y, dy = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    y, dy = (jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+             for a, d in zip(args, dims))
+    return softmax_bwd_p.bind(y, dy, **params), (0,)
+
+
+softmax_bwd_p = define_primitive("softmax_bwd", stage="bwd", op_of=_op_of,
+                                 abstract_eval=_bwd_abstract, batching_rule=_bwd_batch,
+                                 variant_of=_variant, shape_of=_query_shape)
+
+
+# --------------------------------------------------------- implementations ---
+
+def _ffi_fwd(x, mask, *, axis, scale, log, causal, mask_kind):
+    if x.size == 0:
+        return _fwd_reference(x, mask, axis=axis, scale=scale, log=log, causal=causal,
+                              mask_kind=mask_kind)
+    xk, mask2, groups = _kernel_layout(x, mask, axis, mask_kind)
+    call = jax.ffi.ffi_call("jax_ops_softmax_fwd", jax.ShapeDtypeStruct(xk.shape, xk.dtype))
+    m = _empty()
+    if mask2 is not None:  # the handler wants x's rank: (mask rows, 1, ..., 1, cols)
+        m = mask2.reshape(mask2.shape[-1:]) if xk.ndim == 1 else \
+            mask2.reshape(mask2.shape[:1] + (1,) * (xk.ndim - 2) + mask2.shape[-1:])
+    y = call(xk, m, scale=np.float32(scale), log=bool(log), causal=bool(causal),
+             has_mask=mask_kind != "none",
+             mask_map=np.asarray(groups or [(1, 1, 0)], np.int64).reshape(-1))
+    return (jnp.moveaxis(y, -1, axis),)
+
+
+def _ffi_bwd(y, dy, *, axis, scale, log):
+    if y.size == 0:
+        return _bwd_reference(y, dy, axis=axis, scale=scale, log=log)
+    yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
+    dx = jax.ffi.ffi_call("jax_ops_softmax_bwd", jax.ShapeDtypeStruct(yk.shape, yk.dtype))(
+        yk, dyk, scale=np.float32(scale), log=bool(log))
+    return (jnp.moveaxis(dx, -1, axis),)
+
+
+def _pallas_fwd(x, mask, *, axis, scale, log, causal, mask_kind, config, interpret):
+    if x.size == 0:
+        return _fwd_reference(x, mask, axis=axis, scale=scale, log=log, causal=causal,
+                              mask_kind=mask_kind)
+    xk, mask2, groups = _kernel_layout(x, mask, axis, mask_kind)
+    if mask_kind == "bool":  # Triton's i1 has no memory layout: read bytes
+        mask2 = mask2.astype(jnp.int8)
+    q, offset = _causal_dims(xk.shape)
+    cols = xk.shape[-1]
+    y = pallas_softmax.softmax_fwd(
+        xk.reshape(-1, cols), mask2, scale=scale, log=log, causal=causal, q_len=q,
+        offset=offset, mask_kind=mask_kind, mask_map=tuple(groups or ()), config=config,
+        interpret=interpret)
+    return (jnp.moveaxis(y.reshape(xk.shape), -1, axis),)
+
+
+def _pallas_bwd(y, dy, *, axis, scale, log, config, interpret):
+    if y.size == 0:
+        return _bwd_reference(y, dy, axis=axis, scale=scale, log=log)
+    yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
+    cols = yk.shape[-1]
+    dx = pallas_softmax.softmax_bwd(yk.reshape(-1, cols), dyk.reshape(-1, cols), scale=scale,
+                                    log=log, config=config, interpret=interpret)
+    return (jnp.moveaxis(dx.reshape(yk.shape), -1, axis),)
+
+
+def _pallas_configs(q):
+    return pallas_softmax.candidate_configs(max(q.rows or 1, 1), q.cols, q.stage)
+
+
+def _last_axis_only(q):
+    if q.variant == "strided":
+        return False, ("the softmax axis is not x's last: the kernel would work on a transposed "
+                       "copy, XLA reduces in place")
+    return True, ""
+
+
+def _user_lowerings(op):
+    """Adapter for register_implementation: fn(x2d, mask2d | None, *, scale, causal_q,
+    mask_map) is too much to ask of users; they get fn(x2d, *, scale) -> y on unmasked,
+    non-causal calls over the last axis (supports() should say so) and
+    backward(y2d, dy2d, *, scale) -> dx."""
+    def adapt(fn, backward, tunable):
+        def fwd(x, mask, *, axis, scale, log, causal, mask_kind, config):
+            if mask_kind != "none" or causal:
+                raise ValueError(f"jax_ops.{op}: user implementations take unmasked, non-causal "
+                                 "calls only (make supports() refuse the others)")
+            xk = jnp.moveaxis(x, axis, -1)
+            kw = {"config": config} if tunable else {}
+            y = fn(xk.reshape(-1, xk.shape[-1]), scale=scale, **kw)
+            return (jnp.moveaxis(jnp.asarray(y).astype(x.dtype).reshape(xk.shape), -1, axis),)
+
+        def bwd(y, dy, *, axis, scale, log, config):
+            yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
+            kw = {"config": config} if tunable else {}
+            dx = backward(yk.reshape(-1, yk.shape[-1]), dyk.reshape(-1, yk.shape[-1]), scale=scale, **kw)
+            return (jnp.moveaxis(jnp.asarray(dx).astype(y.dtype).reshape(yk.shape), -1, axis),)
+
+        lower = {"fwd": jnp_lowering(fwd, takes_config=True)}
+        if backward is not None:
+            lower["bwd"] = jnp_lowering(bwd, takes_config=True)
+        return lower
+    return adapt
+
+
+def _register_builtins():
+    for op in ("softmax", "log_softmax"):
+        registry.add(registry.Implementation(
+            op, "xla", {"fwd": jnp_lowering(_fwd_reference), "bwd": jnp_lowering(_bwd_reference)},
+            supports=lambda q: True, description="plain jax.numpy, fused by XLA"))
+        registry.add(registry.Implementation(
+            op, "cuda", {"fwd": jnp_lowering(_ffi_fwd), "bwd": jnp_lowering(_ffi_bwd)},
+            supports=ffi_supports("jax_ops_softmax_fwd"), automatic=_last_axis_only,
+            description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
+        registry.add(registry.Implementation(
+            op, "pallas", {"fwd": pallas_lowering(_pallas_fwd), "bwd": pallas_lowering(_pallas_bwd)},
+            supports=pallas_supports(lambda q: pallas_softmax.supports(q.cols)),
+            configs=_pallas_configs, automatic=_last_axis_only,
+            description="Pallas kernels (Triton back end)"))
+        registry.define_user_adapter(op, _user_lowerings(op))
+
+
+_register_builtins()
+
+
+# ------------------------------------------------------------- custom VJP ---
+
+def _bind_fwd(x, mask, axis, scale, log, causal, implementation):
+    kind = "none" if mask is None else ("bool" if mask.dtype == jnp.bool_ else "add")
+    (y,) = softmax_fwd_p.bind(x, _empty() if mask is None else mask, axis=axis, scale=scale,
+                              log=log, causal=causal, mask_kind=kind,
+                              implementation=implementation)
+    return y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _softmax(x, mask, axis, scale, log, causal, implementation):
+    return _bind_fwd(x, mask, axis, scale, log, causal, implementation)
+
+
+def _softmax_fwd(x, mask, axis, scale, log, causal, implementation):
+    y = _bind_fwd(x, mask, axis, scale, log, causal, implementation)
+    # An additive mask's shape and dtype, as a zero-element array (residuals are arrays).
+    mask_like = None if mask is None or mask.dtype == jnp.bool_ else \
+        jnp.zeros((0,) + mask.shape, mask.dtype)
+    return y, (y, mask_like)
+
+
+def _softmax_bwd(axis, scale, log, causal, implementation, res, dy):
+    y, mask_like = res
+    (dx,) = softmax_bwd_p.bind(y, dy, axis=axis, scale=scale, log=log,
+                               implementation=implementation)
+    dmask = None
+    if mask_like is not None:
+        # The logits' gradient, summed over the axes the mask is broadcast along.
+        # Under jit, XLA drops it when the mask's gradient is not used.
+        shape, dtype = mask_like.shape[1:], mask_like.dtype
+        dz = _logit_grad(y, dy, axis, log)
+        over = tuple(i for i, (m, n) in enumerate(zip(shape, y.shape)) if m == 1 and n != 1)
+        dmask = jnp.sum(dz, axis=over, keepdims=True).reshape(shape).astype(dtype)
+    return dx, dmask
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+# ------------------------------------------------------------- public API ---
+
+def _call(op, x, axis, scale, mask, causal, implementation):
+    registry.check_name(op, implementation)
+    x = jnp.asarray(x)
+    _check_x(op, x)
+    axis = _normalize_axis(op, axis, x.ndim)
+    scale = _check_scale(op, scale)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"jax_ops.{op}: causal must be a bool; got {type(causal).__name__}")
+    if causal and (x.ndim < 2 or axis != -1):
+        raise ValueError(f"jax_ops.{op}: causal=True needs x of shape (..., q, k) with the "
+                         f"softmax over the last axis; got shape {tuple(x.shape)}, axis {axis}")
+    mask, _ = _prepare_mask(op, x, mask)
+    if x.shape[axis] == 0 or x.size == 0:  # nothing to normalize
+        return jnp.zeros(x.shape, x.dtype)
+    implementation = implementation or registry.override_for(op)
+    return _softmax(x, mask, axis, scale, op == "log_softmax", bool(causal), implementation)
+
+
+def softmax(x, axis: int = -1, *, scale: float | None = None, mask=None, causal: bool = False,
+            implementation: str | None = None):
+    """Softmax of x * scale along `axis`, with an optional mask; like jax.nn.softmax.
+
+    Args:
+      x: float32, bfloat16 or float16 array, rank >= 1.
+      axis: the axis to normalize over (any; the kernels prefer the last).
+      scale: a real number multiplying the logits first (e.g. 1/sqrt(head_dim)).
+      mask: bool array (True = keep) or floating array added to the scaled logits,
+        broadcastable to x. A floating mask gets a gradient.
+      causal: x is (..., q, k) and axis the last: keep column j of query row i iff
+        j <= i + (k - q) (bottom-right aligned; with q > k the first q - k rows are
+        fully masked).
+      implementation: None (automatic), "xla", "cuda" or "pallas".
+
+    Math runs in float32; the result has x's dtype. Rows with every logit masked
+    give zeros (not NaN).
+    """
+    return _call("softmax", x, axis, scale, mask, causal, implementation)
+
+
+def log_softmax(x, axis: int = -1, *, scale: float | None = None, mask=None,
+                causal: bool = False, implementation: str | None = None):
+    """LogSoftmax of x * scale along `axis`; same arguments as `softmax`. Masked
+    entries, and every entry of fully masked rows, are -inf (their gradient is 0)."""
+    return _call("log_softmax", x, axis, scale, mask, causal, implementation)
