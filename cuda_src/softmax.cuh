@@ -29,6 +29,9 @@ constexpr int64_t kWarpMaxCols = 1024;  // 32 values a lane at most
 constexpr int kBlockThreads = 512;
 template <int PACK> constexpr int fwd_block_values() { return PACK == 1 ? 16 : 32; }
 template <int PACK> constexpr int bwd_block_values() { return PACK == 1 ? 16 : 32; }
+// The forward's per-row reductions are amortized over more values: about 256
+// threads a row, 16+ values each, where the row allows.
+constexpr int kFwdBlockTargetThreads = 256;
 
 // ------------------------------------------------------------- element io ---
 
@@ -62,148 +65,115 @@ __device__ __forceinline__ void pack_logits(const FwdArgs& a, int64_t climit, in
     z[k] = logit(to_float(raw.v[k]), a.scale, a.mask_kind, mv[k], col + k <= climit);
 }
 
-// Local (max, sum) of N logits; with exps=true, z is replaced by exp(z - local max)
-// (the softmax path keeps the exps, log_softmax keeps the logits).
-template <int N>
-__device__ __forceinline__ MaxSum local_max_sum(float (&z)[N], bool keep_exps) {
-  MaxSum ms;
-#pragma unroll
-  for (int i = 0; i < N; ++i) ms.m = z[i] > ms.m ? z[i] : ms.m;
-  if (ms.m == neg_inf()) {  // all masked: no mass
-    if (keep_exps)
-#pragma unroll
-      for (int i = 0; i < N; ++i) z[i] = 0.f;
-    return ms;
-  }
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float e = exp_f32(z[i] - ms.m);
-    ms.s += e;
-    if (keep_exps) z[i] = e;
-  }
-  return ms;
-}
-
 template <int WIDTH>
-__device__ __forceinline__ MaxSum group_max_sum(MaxSum ms) {
+__device__ __forceinline__ float group_max(float v) {
 #pragma unroll
-  for (int off = WIDTH / 2; off > 0; off /= 2) {
-    const float om = __shfl_xor_sync(0xffffffffu, ms.m, off, WIDTH);
-    const float os = __shfl_xor_sync(0xffffffffu, ms.s, off, WIDTH);
-    ms.merge(om, os);
-  }
-  return ms;
+  for (int off = WIDTH / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off, WIDTH));
+  return v;
 }
 
-__device__ __forceinline__ MaxSum block_max_sum(MaxSum ms) {
-  __shared__ float red[2][32];
-  __shared__ float bcast[2];  // (max, sum): MaxSum's initializers are not allowed in __shared__
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
-  ms = group_max_sum<32>(ms);
-  if (lane == 0) { red[0][warp] = ms.m; red[1][warp] = ms.s; }
-  __syncthreads();
-  if (warp == 0) {
-    MaxSum w;
-    if (lane < nwarps) { w.m = red[0][lane]; w.s = red[1][lane]; }
-    w = group_max_sum<32>(w);
-    if (lane == 0) { bcast[0] = w.m; bcast[1] = w.s; }
-  }
-  __syncthreads();
-  MaxSum out;
-  out.m = bcast[0];
-  out.s = bcast[1];
-  return out;
-}
-
-__device__ __forceinline__ float block_sum(float v) {
+// Whole-block reduction (fixed order), result returned to every thread.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v) {
   __shared__ float red[32];
   __shared__ float bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
-  v = group_sum<32>(v);
+  v = MAX ? group_max<32>(v) : group_sum<32>(v);
   if (lane == 0) red[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float w = lane < nwarps ? red[lane] : 0.f;
-    w = group_sum<32>(w);
+    float w = lane < nwarps ? red[lane] : (MAX ? neg_inf() : 0.f);
+    w = MAX ? group_max<32>(w) : group_sum<32>(w);
     if (lane == 0) bcast = w;
   }
   __syncthreads();
   return bcast;
 }
 
-// Output of N values held as exps (softmax: y = e * exp(m_t - m) / s) or logits
-// (log_softmax: y = z - m - log s), given the thread's local max m_t.
-template <int N>
-__device__ __forceinline__ void finish_values(float (&v)[N], float local_max, const MaxSum& row, bool log) {
-  const RowOut r = finish_row(row);
-  if (log) {
+__device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
+
+// One row's N values per thread (logits in, outputs out), with the row's max and
+// sum reduced by max_all / sum_all (group or block): max first, then one exp per
+// element against it (kept for softmax), then the sum. No exps inside the
+// reductions, one reciprocal or log per row.
+template <int N, typename MaxAll, typename SumAll>
+__device__ __forceinline__ void softmax_values(float (&v)[N], bool log, MaxAll&& max_all, SumAll&& sum_all) {
+  float lm = neg_inf();
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = softmax_out(v[i], r, true);
-  } else {
-    // exp(local max - row max) / s; a thread whose values are all masked has exps 0.
-    const float f = (r.empty || local_max == neg_inf()) ? 0.f : exp_f32(local_max - r.m) * r.inv_s;
+  for (int i = 0; i < N; ++i) lm = fmaxf(lm, v[i]);
+  const float m = safe_max(max_all(lm));
+  float ls = 0.f;
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] *= f;
+  for (int i = 0; i < N; ++i) {
+    const float e = exp_f32(v[i] - m);
+    ls += e;
+    if (!log) v[i] = e;
   }
+  const RowOut r = finish_row(m, sum_all(ls), log);
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    v[i] = log ? (r.empty ? neg_inf() : (v[i] - r.m) - r.log_s) : (r.empty ? 0.f : v[i] * r.inv_s);
+}
+
+// (max, sum) pairs over the block, for the long-row kernel's online pass: the
+// max first, then each thread's sum rescaled to it.
+__device__ __forceinline__ MaxSum block_max_sum(MaxSum ms) {
+  MaxSum out;
+  out.m = block_reduce<true>(ms.m);
+  out.s = block_reduce<false>(out.m == neg_inf() ? ms.s : ms.s * exp_f32(ms.m - out.m));
+  return out;
 }
 
 // ---------------------------------------------------------------- forward ---
 
-// A group of WIDTH lanes per row, ROWS rows per group; lane glane holds packs
-// v*WIDTH + glane of its row.
-template <typename T, int PACK, int VPT, int WIDTH, int ROWS>
+// A group of WIDTH lanes per row (WIDTH 1: a thread per row); lane glane holds
+// packs p * WIDTH + glane, p < VPT, of its row.
+template <typename T, int PACK, int VPT, int WIDTH>
 __global__ void __launch_bounds__(kWarpThreads) fwd_warp_kernel(FwdArgs a) {
-  constexpr int N = VPT * PACK, ROWS_PER_WARP = (32 / WIDTH) * ROWS;
+  constexpr int N = VPT * PACK, ROWS_PER_WARP = 32 / WIDTH;
   using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kWarpThreads / 32);
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
+  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
   for (int64_t tile = int64_t(blockIdx.x) * (kWarpThreads / 32) + threadIdx.x / 32;
        tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
-    float v[ROWS][N];
-    MaxSum local[ROWS];
+    const int64_t row = tile * ROWS_PER_WARP + group;
+    const bool valid = row < a.rows;
+    PackT raw[VPT];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {  // all loads of the tile first, then the math
-      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      PackT raw[VPT];
-#pragma unroll
-      for (int p = 0; p < VPT; ++p) {
-        const int64_t col = int64_t(p * WIDTH + glane) * PACK;
-        if (row < a.rows && col < a.cols) raw[p] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
-      }
-      const int64_t mrow = (a.mask_kind != kNoMask && row < a.rows) ? mask_row(a.map, row) : 0;
-      const int64_t climit = causal_limit(a, row);
-#pragma unroll
-      for (int p = 0; p < VPT; ++p) {
-        const int64_t col = int64_t(p * WIDTH + glane) * PACK;
-        float z[PACK];
-        if (row < a.rows && col < a.cols) {
-          pack_logits<T, PACK>(a, climit, mrow, col, raw[p], z);
-        } else {
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) z[k] = neg_inf();
-        }
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) v[r][p * PACK + k] = z[k];
-      }
+    for (int p = 0; p < VPT; ++p) {
+      const int64_t col = int64_t(p * WIDTH + glane) * PACK;
+      if (valid && col < a.cols) raw[p] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
     }
+    const int64_t mrow = (a.mask_kind != kNoMask && valid) ? mask_row(a.map, row) : 0;
+    const int64_t climit = causal_limit(a, row);
+    float v[N];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      local[r] = local_max_sum<N>(v[r], !a.log);
-      const MaxSum whole = group_max_sum<WIDTH>(local[r]);
-      if (row >= a.rows) continue;
-      finish_values<N>(v[r], local[r].m, whole, a.log);
+    for (int p = 0; p < VPT; ++p) {
+      const int64_t col = int64_t(p * WIDTH + glane) * PACK;
+      float z[PACK];
+      if (valid && col < a.cols) {
+        pack_logits<T, PACK>(a, climit, mrow, col, raw[p], z);
+      } else {
 #pragma unroll
-      for (int p = 0; p < VPT; ++p) {
-        const int64_t col = int64_t(p * WIDTH + glane) * PACK;
-        if (col >= a.cols) continue;
-        float out[PACK];
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) out[k] = v[r][p * PACK + k];
-        store_pack<T, PACK>(y + row * a.cols + col, out);
+        for (int k = 0; k < PACK; ++k) z[k] = neg_inf();
       }
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) v[p * PACK + k] = z[k];
+    }
+    softmax_values<N>(v, a.log, [](float m) { return group_max<WIDTH>(m); },
+                      [](float s) { return group_sum<WIDTH>(s); });
+    if (!valid) continue;
+#pragma unroll
+    for (int p = 0; p < VPT; ++p) {
+      const int64_t col = int64_t(p * WIDTH + glane) * PACK;
+      if (col >= a.cols) continue;
+      float out[PACK];
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) out[k] = v[p * PACK + k];
+      store_pack<T, PACK>(y + row * a.cols + col, out);
     }
   }
 }
@@ -239,9 +209,8 @@ __global__ void __launch_bounds__(kBlockThreads) fwd_block_regs_kernel(FwdArgs a
 #pragma unroll
       for (int j = 0; j < PACK; ++j) v[k * PACK + j] = z[j];
     }
-    const MaxSum local = local_max_sum<N>(v, !a.log);
-    const MaxSum whole = block_max_sum(local);
-    finish_values<N>(v, local.m, whole, a.log);
+    softmax_values<N>(v, a.log, [](float m) { return block_reduce<true>(m); },
+                      [](float s) { return block_reduce<false>(s); });
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
@@ -275,14 +244,15 @@ __global__ void fwd_block_kernel(FwdArgs a) {
       pack_logits<T, PACK>(a, climit, mrow, p * PACK, pk, z);
       float pm = neg_inf();
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) pm = z[j] > pm ? z[j] : pm;
-      if (pm == neg_inf()) continue;
+      for (int j = 0; j < PACK; ++j) pm = fmaxf(pm, z[j]);
+      const float shift = safe_max(pm);
       float ps = 0.f;
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) ps += exp_f32(z[j] - pm);
+      for (int j = 0; j < PACK; ++j) ps += exp_f32(z[j] - shift);
       ms.merge(pm, ps);
     }
-    const RowOut r = finish_row(block_max_sum(ms));
+    const MaxSum whole = block_max_sum(ms);
+    const RowOut r = finish_row(safe_max(whole.m), whole.s, a.log);
     for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
       const PackT pk = CACHE ? cache[p] : x[row * nvec + p];
       float z[PACK];
@@ -423,10 +393,30 @@ inline int warp_tier_blocks(int64_t rows, int rows_per_block) {
 
 template <typename T, int PACK, int VPT, int WIDTH>
 cudaError_t launch_fwd_warp(const FwdArgs& a, cudaStream_t stream) {
-  constexpr int ROWS = WIDTH < 32 ? (WIDTH < 8 ? 4 : 2) : 1;
-  constexpr int ROWS_PER_BLOCK = (kWarpThreads / WIDTH) * ROWS;
-  fwd_warp_kernel<T, PACK, VPT, WIDTH, ROWS><<<warp_tier_blocks(a.rows, ROWS_PER_BLOCK), kWarpThreads, 0, stream>>>(a);
+  fwd_warp_kernel<T, PACK, VPT, WIDTH><<<warp_tier_blocks(a.rows, kWarpThreads / WIDTH), kWarpThreads, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+// Forward row shape: lanes per row so that each lane has about 4 packs (a thread
+// per row for rows of up to 7 packs). With one pack a lane the per-row reductions
+// cost more instructions than the elements (measured on the H100: 64 instructions
+// an element, compute-bound at half the copy bandwidth).
+template <int W, int VPT, int MAX_VPT, typename Launch>
+cudaError_t launch_with_vpt(int64_t nvec, Launch&& launch) {
+  if (nvec <= int64_t(W) * VPT) return launch(std::integral_constant<int, VPT>{}, std::integral_constant<int, W>{});
+  if constexpr (VPT * 2 <= MAX_VPT) return launch_with_vpt<W, VPT * 2, MAX_VPT>(nvec, launch);
+  return cudaErrorInvalidValue;
+}
+
+template <int MAX_VPT, typename Launch>
+cudaError_t dispatch_row_shape(int64_t nvec, Launch&& launch) {
+  const int64_t w = nvec / 4;
+  if (w < 2) return launch_with_vpt<1, 1, 8>(nvec, launch);
+  if (w < 4) return launch_with_vpt<2, 2, 8>(nvec, launch);
+  if (w < 8) return launch_with_vpt<4, 4, 8>(nvec, launch);
+  if (w < 16) return launch_with_vpt<8, 4, 8>(nvec, launch);
+  if (w < 32) return launch_with_vpt<16, 4, 8>(nvec, launch);
+  return launch_with_vpt<32, 4, MAX_VPT>(nvec, launch);
 }
 
 template <typename T, int PACK, int VPT, int WIDTH>
@@ -440,13 +430,14 @@ cudaError_t launch_bwd_warp(const BwdArgs& a, cudaStream_t stream) {
 // Block-per-row in registers: K packs a thread (K * PACK <= MAX_VALUES), at most
 // kBlockThreads threads: the smallest K that fits the row (more threads per row
 // put more of its loads in flight at once).
-template <int PACK, int MAX_VALUES, int K = 1, typename Launch>
+template <int PACK, int MAX_VALUES, int K = 1, int TARGET = kBlockThreads, typename Launch>
 cudaError_t dispatch_block_k(int64_t nvec, Launch&& launch) {
-  if (nvec <= int64_t(kBlockThreads) * K) {
+  constexpr bool last = K * 2 * PACK > MAX_VALUES;
+  if (nvec <= int64_t(TARGET) * K || (last && nvec <= int64_t(kBlockThreads) * K)) {
     const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
     return launch(std::integral_constant<int, K>{}, threads);
   }
-  if constexpr (K * 2 * PACK <= MAX_VALUES) return dispatch_block_k<PACK, MAX_VALUES, K * 2>(nvec, launch);
+  if constexpr (!last) return dispatch_block_k<PACK, MAX_VALUES, K * 2, TARGET>(nvec, launch);
   return cudaErrorInvalidValue;
 }
 
@@ -479,11 +470,11 @@ template <typename T, int PACK>
 cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   if (a.cols <= kWarpMaxCols)
-    return dispatch_group_shape<PACK, kWarpMaxCols>(nvec, [&](auto vpt, auto width) {
+    return dispatch_row_shape<kWarpMaxCols / (32 * PACK)>(nvec, [&](auto vpt, auto width) {
       return launch_fwd_warp<T, PACK, decltype(vpt)::value, decltype(width)::value>(a, stream);
     });
   if (nvec <= int64_t(kBlockThreads) * (fwd_block_values<PACK>() / PACK))
-    return dispatch_block_k<PACK, fwd_block_values<PACK>()>(nvec, [&](auto k, int threads) {
+    return dispatch_block_k<PACK, fwd_block_values<PACK>(), 1, kFwdBlockTargetThreads>(nvec, [&](auto k, int threads) {
       constexpr int K = decltype(k)::value;
       return launch_block_regs(fwd_block_regs_kernel<T, PACK, K>, a, threads, stream);
     });

@@ -68,17 +68,21 @@ JO_HD float log_f32(float v) {
 #endif
 }
 
-// Running (max, Σ exp(z - max)) of a set of logits. merge() is symmetric, so
-// a butterfly gives every lane bitwise equal results.
+// Running (max, Σ exp(z - max)) of a set of logits (the long-row kernel merges
+// these per pack). merge() is symmetric; NaN sums propagate.
 struct MaxSum {
   float m = neg_inf(), s = 0.f;
   JO_HD void merge(float om, float os) {
     const float nm = om > m ? om : m;
-    if (nm == neg_inf()) return;  // both empty (or fully masked)
+    if (nm == neg_inf()) { s += os; return; }  // both all -inf (s 0) or NaN
     s = s * exp_f32(m - nm) + os * exp_f32(om - nm);
     m = nm;
   }
 };
+
+// The shift subtracted before exp: the row max, or 0 when every logit is -inf
+// (then exp(z - 0) = 0 for all and the sum is 0).
+JO_HD float safe_max(float m) { return m == neg_inf() ? 0.f : m; }
 
 // The last column the causal rule keeps in `row` (every column without the rule);
 // computed once per row: the modulo is a 64-bit division.
@@ -94,23 +98,27 @@ JO_HD float logit(float x, float scale, int mask_kind, float mask_value, bool ke
   return (mask_kind == kAddMask || mask_kind == kAddMaskF32) ? z + mask_value : z;
 }
 
-// Row constants for the output: softmax uses 1/s, log_softmax m + log s.
+// Row constants of the output, from the shift m (safe_max) and s = Σ exp(z - m).
+// A row is empty (fully masked) iff s == 0: an unmasked row has the term exp(0) = 1,
+// and a NaN anywhere makes s NaN, which then reaches every output of the row.
 struct RowOut {
-  float m, inv_s, m_log_s;
-  bool empty;  // every logit -inf
+  float m, inv_s, log_s;
+  bool empty;
 };
 
-JO_HD RowOut finish_row(MaxSum ms) {
+JO_HD RowOut finish_row(float m, float s, bool log) {
   RowOut r;
-  r.empty = !(ms.s > 0.f);
-  r.m = r.empty ? 0.f : ms.m;
-  r.inv_s = r.empty ? 0.f : 1.f / ms.s;
-  r.m_log_s = r.empty ? 0.f : ms.m + log_f32(ms.s);
+  r.m = m;
+  r.empty = s == 0.f;
+  r.inv_s = log ? 0.f : 1.f / s;
+  r.log_s = log ? log_f32(s) : 0.f;
   return r;
 }
 
+// (z - m) - log s rather than z - (m + log s): with |m| ~ 1e4 the sum would round
+// away log s's low bits.
 JO_HD float softmax_out(float z, const RowOut& r, bool log) {
-  if (log) return r.empty ? neg_inf() : z - r.m_log_s;
+  if (log) return r.empty ? neg_inf() : (z - r.m) - r.log_s;
   return r.empty ? 0.f : exp_f32(z - r.m) * r.inv_s;
 }
 

@@ -121,15 +121,15 @@ void fwd_cpu(const FwdArgs& a) {
   for (int64_t r = 0; r < a.rows; ++r) {
     const int64_t mrow = a.mask_kind != kNoMask ? mask_row(a.map, r) : 0;
     const int64_t climit = causal_limit(a, r);
-    MaxSum ms;
+    float m = neg_inf(), sum = 0.f;
     for (int64_t c = 0; c < a.cols; ++c) {
       const float mv = a.mask_kind != kNoMask ? mask_value<T>(a, mrow * a.cols + c) : 0.f;
       z[c] = logit(to_float(x[r * a.cols + c]), a.scale, a.mask_kind, mv, c <= climit);
-      ms.m = z[c] > ms.m ? z[c] : ms.m;
+      m = z[c] > m ? z[c] : m;
     }
-    if (ms.m != neg_inf())
-      for (int64_t c = 0; c < a.cols; ++c) ms.s += exp_f32(z[c] - ms.m);
-    const RowOut out = finish_row(ms);
+    m = safe_max(m);
+    for (int64_t c = 0; c < a.cols; ++c) sum += exp_f32(z[c] - m);
+    const RowOut out = finish_row(m, sum, a.log);
     for (int64_t c = 0; c < a.cols; ++c) y[r * a.cols + c] = from_float<T>(softmax_out(z[c], out, a.log));
   }
 }

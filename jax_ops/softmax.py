@@ -189,12 +189,12 @@ def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind):
     if keep is not None:
         z = jnp.where(keep, z, -jnp.inf)
     m = jnp.max(z, axis=axis, keepdims=True)
-    empty = m == -jnp.inf
-    m = jnp.where(empty, 0.0, m)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # every logit -inf: exp(z - 0) = 0, s = 0
     e = jnp.exp(z - m)
     s = jnp.sum(e, axis=axis, keepdims=True)
-    if log:
-        y = jnp.where(empty, -jnp.inf, z - (m + jnp.log(s)))
+    empty = s == 0.0  # fully masked (a NaN makes s NaN and reaches the whole row)
+    if log:  # (z - m) - log s: z - (m + log s) would round log s away when |m| is large
+        y = jnp.where(empty, -jnp.inf, (z - m) - jnp.log(s))
     else:
         y = jnp.where(empty, 0.0, e / s)
     return (y.astype(x.dtype),)

@@ -100,12 +100,12 @@ def _fwd_kernel(*refs, rows, cols, block_rows, scale, log, causal, q_len, offset
     z = jnp.where(keep, z, -jnp.inf)
 
     m = jnp.max(z, axis=1)
-    empty = m == -jnp.inf  # every logit masked (or a padding row)
-    m = jnp.where(empty, 0.0, m)
+    m = jnp.where(m == -jnp.inf, 0.0, m)  # every logit masked (or a padding row)
     e = jnp.exp(z - m[:, None])
     s = jnp.sum(e, axis=1)
-    if log:
-        y = jnp.where(empty[:, None], -jnp.inf, z - (m + jnp.log(s))[:, None])
+    empty = s == 0.0  # a NaN makes s NaN and reaches the whole row
+    if log:  # (z - m) - log s keeps log s's bits when |m| is large
+        y = jnp.where(empty[:, None], -jnp.inf, (z - m[:, None]) - jnp.log(s)[:, None])
     else:
         y = e * jnp.where(empty, 0.0, 1.0 / s)[:, None]
     plgpu.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=ok)
