@@ -5,21 +5,23 @@ static shapes, in this order:
    If it can't serve the call, a ValueError says why and what can.
 2. autotune: a winner stored by jax_ops.autotune for this GPU, op, stage, dtype and
    shape (the user cache file, see tuning.py).
-3. measured table: jax_ops/tables/<gpu>.json, written by the benchmark
+3. a user implementation registered with prefer=True, where it is supported (the
+   measured tables do not know it; autotune does).
+4. measured table: jax_ops/tables/<gpu>.json, written by the benchmark
    (`jax-ops-bench --table ...`; the command is recorded in each file). The entry of
    the same op/stage/dtype nearest in (log cols, log rows) gives each
    implementation's time; the fastest one that supports the call wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed as fwd_bwd - bwd) and "bwd".
-4. heuristics, for GPUs without a table and for other platforms:
-   - a user implementation registered with prefer=True, where it is supported;
+5. heuristics, for GPUs without a table and for other platforms:
    - cuda platform: "cuda" (the hand kernels) where built, else "pallas", else "xla";
    - CPU: "xla". XLA's multi-threaded CPU code beat our single-threaded host
      handlers 6-10x in the CPU benchmark, and Pallas runs interpreted there
      (docs/perf-notes.md); both stay selectable by name (that is how CI tests them).
    - anything else (TPU, ROCm): "xla".
-An implementation whose stage is missing (a user kernel without a backward) or that
-refuses the shape is skipped by the automatic choice.
+An implementation whose stage is missing (a user kernel without a backward), that
+refuses the shape, or whose `automatic` rule declines the call (softmax kernels over
+a non-last axis) is skipped by the automatic choice.
 
 JAX_OPS_EXPLAIN=1 prints every decision as it is made; jax_ops.explain(fn, *args)
 lists them for one function without running it.
@@ -186,13 +188,13 @@ def choose(q: Query, implementation: str | None) -> Decision:
     if tuned is not None and tuned["implementation"] in ok:
         return decide(tuned["implementation"], "autotune cache", tuned.get("config"))
 
-    picked = _from_table(q, ok)
-    if picked is not None:
-        return decide(*picked)
-
     preferred = [n for n, i in ok.items() if i.prefer]
     if preferred:
         return decide(preferred[-1], "user implementation registered with prefer=True")
+
+    picked = _from_table(q, ok)
+    if picked is not None:
+        return decide(*picked)
     if q.platform == "cuda":
         for name, why in (("cuda", "hand kernels (no measured table for this GPU)"),
                           ("pallas", "Pallas kernels (CUDA kernels not built)")):

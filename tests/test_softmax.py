@@ -487,7 +487,8 @@ def test_causal(q, k, impl):
             assert (~keep[: q - k]).all()
     if (q, k) == (4, 6):  # causal with the last axis given as a positive number
         y3 = jax.jit(lambda x: call("softmax", x, impl=impl, causal=True, axis=3))(x)
-        np.testing.assert_array_equal(f64(y3), f64(out["softmax"][0]))
+        # Same math; XLA may fuse a jitted graph differently from the eager one (last bit).
+        np.testing.assert_allclose(f64(y3), f64(out["softmax"][0]), rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------- masked rows ---
