@@ -45,7 +45,7 @@ for step in $steps; do
     backends) python3 benchmarks/pallas_backends.py 2>&1 | tee "$L/pallas_backends.txt" ;;
     # Writes the dispatch table of this GPU (the auto column of this run still uses the old one).
     table) bench table $NORMS --impl cuda,pallas,xla --max-sets 48 --table "$table" --check; cp "$table" "$L/" ;;
-    table-softmax) bench table $SOFTMAX --impl cuda,pallas,xla,flax --max-sets 48 --table "$table" --check; cp "$table" "$L/" ;;
+    table-softmax) bench table $SOFTMAX --impl cuda,pallas,xla,auto,flax --max-sets 48 --table "$table" --check; cp "$table" "$L/" ;;
     # Measures again: auto now reads the table just written.
     verify) bench verify $NORMS --impl cuda,pallas,xla,auto --max-sets 48 ;;
     verify-softmax) bench verify $SOFTMAX --impl cuda,pallas,xla,auto --max-sets 48 ;;
