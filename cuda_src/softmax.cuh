@@ -55,9 +55,16 @@ __device__ __forceinline__ void load_mask(const FwdArgs& a, int64_t mrow, int64_
 
 // Logits of one pack starting at column `col` of a row whose mask row is mrow and
 // causal limit climit (causal_limit()).
-template <typename T, int PACK>
+// MASKED (compile time): a mask or the causal rule is present. Unmasked rows skip
+// the per-element mask and causal tests (a third of the forward's instructions).
+template <typename T, int PACK, bool MASKED>
 __device__ __forceinline__ void pack_logits(const FwdArgs& a, int64_t climit, int64_t mrow, int64_t col,
                                             const Pack<T, PACK>& raw, float (&z)[PACK]) {
+  if constexpr (!MASKED) {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) z[k] = to_float(raw.v[k]) * a.scale;
+    return;
+  }
   float mv[PACK];
   load_mask<T, PACK>(a, mrow, col, mv);
 #pragma unroll
@@ -128,7 +135,7 @@ __device__ __forceinline__ MaxSum block_max_sum(MaxSum ms) {
 
 // A group of WIDTH lanes per row (WIDTH 1: a thread per row); lane glane holds
 // packs p * WIDTH + glane, p < VPT, of its row.
-template <typename T, int PACK, int VPT, int WIDTH>
+template <typename T, int PACK, int VPT, int WIDTH, bool MASKED>
 __global__ void __launch_bounds__(kWarpThreads) fwd_warp_kernel(FwdArgs a) {
   constexpr int N = VPT * PACK, ROWS_PER_WARP = 32 / WIDTH;
   using PackT = Pack<T, PACK>;
@@ -155,7 +162,7 @@ __global__ void __launch_bounds__(kWarpThreads) fwd_warp_kernel(FwdArgs a) {
       const int64_t col = int64_t(p * WIDTH + glane) * PACK;
       float z[PACK];
       if (valid && col < a.cols) {
-        pack_logits<T, PACK>(a, climit, mrow, col, raw[p], z);
+        pack_logits<T, PACK, MASKED>(a, climit, mrow, col, raw[p], z);
       } else {
 #pragma unroll
         for (int k = 0; k < PACK; ++k) z[k] = neg_inf();
@@ -179,7 +186,7 @@ __global__ void __launch_bounds__(kWarpThreads) fwd_warp_kernel(FwdArgs a) {
 }
 
 // A block per row; thread t holds packs t + k * blockDim.x, k < K.
-template <typename T, int PACK, int K>
+template <typename T, int PACK, int K, bool MASKED>
 __global__ void __launch_bounds__(kBlockThreads) fwd_block_regs_kernel(FwdArgs a) {
   constexpr int N = K * PACK;
   using PackT = Pack<T, PACK>;
@@ -201,7 +208,7 @@ __global__ void __launch_bounds__(kBlockThreads) fwd_block_regs_kernel(FwdArgs a
       const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
       float z[PACK];
       if (p < nvec) {
-        pack_logits<T, PACK>(a, climit, mrow, p * PACK, raw[k], z);
+        pack_logits<T, PACK, MASKED>(a, climit, mrow, p * PACK, raw[k], z);
       } else {
 #pragma unroll
         for (int j = 0; j < PACK; ++j) z[j] = neg_inf();
@@ -225,7 +232,7 @@ __global__ void __launch_bounds__(kBlockThreads) fwd_block_regs_kernel(FwdArgs a
 
 // A block per row for long rows: an online (max, sum) pass, then the output pass
 // over the row cached in shared memory (CACHE) or read again.
-template <typename T, int PACK, bool CACHE>
+template <typename T, int PACK, bool CACHE, bool MASKED>
 __global__ void fwd_block_kernel(FwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
@@ -241,7 +248,7 @@ __global__ void fwd_block_kernel(FwdArgs a) {
       const PackT pk = x[row * nvec + p];
       if (CACHE) cache[p] = pk;
       float z[PACK];
-      pack_logits<T, PACK>(a, climit, mrow, p * PACK, pk, z);
+      pack_logits<T, PACK, MASKED>(a, climit, mrow, p * PACK, pk, z);
       float pm = neg_inf();
 #pragma unroll
       for (int j = 0; j < PACK; ++j) pm = fmaxf(pm, z[j]);
@@ -256,7 +263,7 @@ __global__ void fwd_block_kernel(FwdArgs a) {
     for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
       const PackT pk = CACHE ? cache[p] : x[row * nvec + p];
       float z[PACK];
-      pack_logits<T, PACK>(a, climit, mrow, p * PACK, pk, z);
+      pack_logits<T, PACK, MASKED>(a, climit, mrow, p * PACK, pk, z);
 #pragma unroll
       for (int j = 0; j < PACK; ++j) z[j] = softmax_out(z[j], r, a.log);
       store_pack<T, PACK>(y + (row * nvec + p) * PACK, z);
@@ -391,9 +398,9 @@ inline int warp_tier_blocks(int64_t rows, int rows_per_block) {
   return int(needed < cap ? needed : cap);
 }
 
-template <typename T, int PACK, int VPT, int WIDTH>
+template <typename T, int PACK, int VPT, int WIDTH, bool MASKED>
 cudaError_t launch_fwd_warp(const FwdArgs& a, cudaStream_t stream) {
-  fwd_warp_kernel<T, PACK, VPT, WIDTH><<<warp_tier_blocks(a.rows, kWarpThreads / WIDTH), kWarpThreads, 0, stream>>>(a);
+  fwd_warp_kernel<T, PACK, VPT, WIDTH, MASKED><<<warp_tier_blocks(a.rows, kWarpThreads / WIDTH), kWarpThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -466,19 +473,19 @@ cudaError_t launch_block_long(void (*cached)(Args), void (*uncached)(Args), cons
   return cudaGetLastError();
 }
 
-template <typename T, int PACK>
+template <typename T, int PACK, bool MASKED>
 cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   if (a.cols <= kWarpMaxCols)
     return dispatch_row_shape<kWarpMaxCols / (32 * PACK)>(nvec, [&](auto vpt, auto width) {
-      return launch_fwd_warp<T, PACK, decltype(vpt)::value, decltype(width)::value>(a, stream);
+      return launch_fwd_warp<T, PACK, decltype(vpt)::value, decltype(width)::value, MASKED>(a, stream);
     });
   if (nvec <= int64_t(kBlockThreads) * (fwd_block_values<PACK>() / PACK))
     return dispatch_block_k<PACK, fwd_block_values<PACK>(), 1, kFwdBlockTargetThreads>(nvec, [&](auto k, int threads) {
       constexpr int K = decltype(k)::value;
-      return launch_block_regs(fwd_block_regs_kernel<T, PACK, K>, a, threads, stream);
+      return launch_block_regs(fwd_block_regs_kernel<T, PACK, K, MASKED>, a, threads, stream);
     });
-  return launch_block_long(fwd_block_kernel<T, PACK, true>, fwd_block_kernel<T, PACK, false>, a,
+  return launch_block_long(fwd_block_kernel<T, PACK, true, MASKED>, fwd_block_kernel<T, PACK, false, MASKED>, a,
                            size_t(a.cols) * sizeof(T), nvec, stream);
 }
 
@@ -508,7 +515,9 @@ cudaError_t launch_fwd(const FwdArgs& a, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.y, 16) &&
                       aligned_to(a.mask, VEC * mask_item_bytes(a.mask_kind, sizeof(T)));
-  return vec_ok ? launch_fwd_packed<T, VEC>(a, stream) : launch_fwd_packed<T, 1>(a, stream);
+  if (a.mask_kind != kNoMask || a.causal)
+    return vec_ok ? launch_fwd_packed<T, VEC, true>(a, stream) : launch_fwd_packed<T, 1, true>(a, stream);
+  return vec_ok ? launch_fwd_packed<T, VEC, false>(a, stream) : launch_fwd_packed<T, 1, false>(a, stream);
 }
 
 template <typename T>
