@@ -50,7 +50,7 @@ for step in $steps; do
     verify) bench verify $NORMS --impl cuda,pallas,xla,auto --max-sets 48 ;;
     verify-softmax) bench verify $SOFTMAX --impl cuda,pallas,xla,auto --max-sets 48 ;;
     # Masked and causal softmax next to the plain one (target: masked <= 1.15x unmasked).
-    bench-masked) python3 -m jax_ops.bench --op softmax,softmax_mask,softmax_causal --mode fwd,fwd_bwd \
+    bench-masked) python3 -m jax_ops.bench --op softmax,softmax_mask,softmax_causal --mode fwd,fwd_bwd --cols ${MASKED_COLS:-128,1024,4096,16384,32768} \
         --impl cuda,pallas,xla --max-sets 48 --json "$L/masked.json" 2>&1 | tee "$L/masked.txt" | grep -v "^check\|K=" | tail -80 ;;
     check-softmax) python3 benchmarks/sanitize_softmax.py 2>&1 | tail -20 | tee "$L/check_softmax.txt"
            IMPL=pallas python3 benchmarks/sanitize_softmax.py 2>&1 | tail -20 | tee -a "$L/check_softmax.txt" ;;
