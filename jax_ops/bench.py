@@ -186,6 +186,7 @@ class OpSpec:
     num_params: int = 0           # float32 parameter vectors in params
     epsilon: float | None = None  # passed to every impl (recorded in the metadata)
     table_stages: tuple[str, ...] = ()  # dispatch-table stages --table writes
+    table_alias: tuple[str, str] | None = None  # its fwd is written as (op, stage) instead
     unmasked: str | None = None   # a masked variant: the op its time is compared with
     xla_summary: bool = False     # in the "speedup over xla" summary
     view_cap: int | None = None   # x is viewed as (rows // Q, Q, cols), Q = view_len(.., cap)
@@ -326,6 +327,7 @@ def _softmax_spec(log: bool = False, masked: bool = False, causal: bool = False)
     if masked:
         return OpSpec(make_inputs=_mask_inputs, nbytes=_softmax_bytes(MASK_Q_CAP),
                       unmasked="softmax", view_cap=MASK_Q_CAP,
+                      table_alias=("softmax", "fwd_mask"),
                       title=f" as (B, Q, cols), Q = min(cols, {MASK_Q_CAP}), "
                             f"mask (B, 1, cols) {MASK_KEEP:.0%} True", **common)
     if causal:
@@ -850,8 +852,9 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
 
     Each op writes the stages of its spec's table_stages: the norms fwd, bwd and the
     derived fwd_stats; softmax and log_softmax fwd and bwd (their training forward is
-    the inference forward); softmax_mask and softmax_causal nothing (they run the
-    softmax kernels; they are benchmarked for the masked / unmasked ratio)."""
+    the inference forward); softmax_mask its fwd as softmax's "fwd_mask" stage (the
+    choice for masked and causal calls; their backward is the unmasked one);
+    softmax_causal nothing (benchmarked for the masked / unmasked ratio)."""
     table = {"device_kind": meta["device_kind"], "entries": []}
     if path.exists():
         table = json.loads(path.read_text())
@@ -860,10 +863,14 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
                              f"this run is on {meta['device_kind']!r}")
     new = {}
     for r in records:  # the stages are the fwd and bwd modes; fwd_bwd is their sum
-        if (r.mode in ("fwd", "bwd") and r.mode in SPECS[r.op].table_stages
-                and r.impl in KERNEL_IMPLS and r.time_us is not None):
-            key = (r.op, r.mode, jnp.dtype(DTYPES[r.dtype]).name, r.rows, r.cols)
-            new.setdefault(key, {})[r.impl] = round(r.time_us, 3)
+        if r.impl not in KERNEL_IMPLS or r.time_us is None:
+            continue
+        dtype = jnp.dtype(DTYPES[r.dtype]).name
+        if r.mode in ("fwd", "bwd") and r.mode in SPECS[r.op].table_stages:
+            new.setdefault((r.op, r.mode, dtype, r.rows, r.cols), {})[r.impl] = round(r.time_us, 3)
+        alias = SPECS[r.op].table_alias
+        if alias is not None and r.mode == "fwd":  # the masked forward of the softmax kernels
+            new.setdefault((*alias, dtype, r.rows, r.cols), {})[r.impl] = round(r.time_us, 3)
     # The training forward (writes mean/rstd too) is what fwd_bwd adds to bwd. For xla
     # that difference is only real next to xla's own backward: XLA fuses its forward and
     # backward across the stages (seen on the H200: rms_norm 8192, xla fwd_bwd - bwd =

@@ -12,7 +12,8 @@ static shapes, in this order:
    the same op/stage/dtype nearest in (log cols, log rows) gives each
    implementation's time; the fastest one that supports the call wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
-   statistics; timed as fwd_bwd - bwd) and "bwd".
+   statistics; timed as fwd_bwd - bwd), "fwd_mask" (masked or causal softmax) and
+   "bwd"; a stage without entries falls back to the plain stage's.
 5. heuristics, for GPUs without a table and for other platforms:
    - cuda platform: "cuda" (the hand kernels) where built, else "pallas", else "xla";
    - CPU: "xla". XLA's multi-threaded CPU code beat our single-threaded host

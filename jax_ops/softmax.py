@@ -221,7 +221,13 @@ def _query_shape(shape, params):
 
 
 def _variant(params):
-    return "" if params["axis"] == -1 else "strided"
+    """"strided" (softmax axis not last: the kernels decline it automatically), "mask"
+    (a masked or causal forward: timed as its own table stage, fwd_mask), else ""."""
+    if params["axis"] != -1:
+        return "strided"
+    if params.get("mask_kind", "none") != "none" or params.get("causal", False):
+        return "mask"
+    return ""
 
 
 softmax_fwd_p = define_primitive("softmax_fwd", stage="fwd", op_of=_op_of,

@@ -26,11 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import compiler_params, next_pow2, unique_configs
+
 MAX_COLS = 32768  # one row of float32 sums per program: 64 values a thread at 16 warps
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def supports(cols: int) -> tuple[bool, str]:
@@ -68,17 +66,7 @@ def candidate_configs(rows: int, cols: int, stage: str) -> list[dict]:
                     out.append(dict(cfg, programs=programs))
             else:
                 out.append(cfg)
-    seen, unique = set(), []
-    for c in out:
-        key = tuple(sorted(c.items()))
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return unique
-
-
-def _compiler_params(num_warps: int):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    return unique_configs(out)
 
 
 # ---------------------------------------------------------------- forward ---
@@ -136,7 +124,7 @@ def norm_fwd(x, scale, bias, *, epsilon: float, rms: bool, with_stats: bool,
     operands = [a for a in (x, scale, bias) if a is not None]
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(rows, block_rows),),
-        compiler_params=_compiler_params(cfg["num_warps"]), interpret=interpret,
+        compiler_params=compiler_params(cfg["num_warps"]), interpret=interpret,
         name="jax_ops_rms_norm_fwd" if rms else "jax_ops_layer_norm_fwd")(*operands)
     y = outs[0]
     mean = outs[1] if (with_stats and not rms) else None
@@ -230,7 +218,7 @@ def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...]
     operands = [dy, x] + ([] if rms else [mean]) + [rstd] + ([] if scale is None else [scale])
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(programs,),
-        compiler_params=_compiler_params(cfg["num_warps"]), interpret=interpret,
+        compiler_params=compiler_params(cfg["num_warps"]), interpret=interpret,
         name="jax_ops_rms_norm_bwd" if rms else "jax_ops_layer_norm_bwd")(*operands)
     if not param_grads:
         return outs[0], None, None, None

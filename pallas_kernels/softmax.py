@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layer_norm import next_pow2
+from pallas_kernels.common import compiler_params, next_pow2, unique_configs
 
 MAX_COLS = 32768
 
@@ -54,17 +54,7 @@ def candidate_configs(rows: int, cols: int, stage: str) -> list[dict]:
             num_warps = block_rows * cp // (32 * per_thread)
             if 1 <= num_warps <= 16:
                 out.append({"block_rows": block_rows, "num_warps": num_warps})
-    seen, unique = set(), []
-    for c in out:
-        key = tuple(sorted(c.items()))
-        if key not in seen:
-            seen.add(key)
-            unique.append(c)
-    return unique
-
-
-def _compiler_params(num_warps: int):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+    return unique_configs(out)
 
 
 # ---------------------------------------------------------------- forward ---
@@ -126,7 +116,7 @@ def softmax_fwd(x, mask, *, scale: float, log: bool, causal: bool, q_len: int, o
     operands = [x] + ([] if mask is None else [mask])
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((rows, cols), x.dtype),
-        grid=(pl.cdiv(rows, block_rows),), compiler_params=_compiler_params(cfg["num_warps"]),
+        grid=(pl.cdiv(rows, block_rows),), compiler_params=compiler_params(cfg["num_warps"]),
         interpret=interpret,
         name="jax_ops_log_softmax_fwd" if log else "jax_ops_softmax_fwd")(*operands)
 
@@ -161,6 +151,6 @@ def softmax_bwd(y, dy, *, scale: float, log: bool, config: dict | None = None,
                                scale=float(scale), log=log)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((rows, cols), y.dtype),
-        grid=(pl.cdiv(rows, block_rows),), compiler_params=_compiler_params(cfg["num_warps"]),
+        grid=(pl.cdiv(rows, block_rows),), compiler_params=compiler_params(cfg["num_warps"]),
         interpret=interpret,
         name="jax_ops_log_softmax_bwd" if log else "jax_ops_softmax_bwd")(y, dy)

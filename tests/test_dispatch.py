@@ -245,7 +245,7 @@ def test_shipped_tables_are_well_formed():
     for t in tables:
         assert t["device_kind"] and t["command"] and t["entries"], t["_path"]
         for e in t["entries"]:
-            assert e["stage"] in ("fwd", "fwd_stats", "bwd") and e["op"] in registry.ops()
+            assert e["stage"] in ("fwd", "fwd_stats", "fwd_mask", "bwd") and e["op"] in registry.ops()
             assert set(e["us"]) <= set(jax_ops.IMPLEMENTATIONS) and min(e["us"].values()) > 0
 
 
@@ -289,3 +289,29 @@ def test_autotune_cache_unreadable_is_ignored(tmp_cache, capsys):
     assert jax_ops.explain(jax_ops.layer_norm, x, s, b)[0].reason != "autotune cache"
     assert "ignoring unreadable cache" in capsys.readouterr().err
     assert tuning.cache_path() == tmp_cache
+
+
+def test_masked_softmax_has_its_own_table_stage():
+    """Masked/causal softmax forwards are looked up as stage fwd_mask (their kernels'
+    order differs from the unmasked one); a non-last axis is 'strided' and leaves the
+    kernels out of the automatic choice."""
+    import json
+    from jax_ops.softmax import softmax_fwd_p
+    from jax_ops.primitive import query
+    x = jnp.zeros((4, 8, 1024), jnp.bfloat16)
+    params = dict(axis=-1, scale=1.0, log=False, causal=True, mask_kind="none", implementation=None)
+    q = query(softmax_fwd_p, (x, jnp.zeros((0,))), params, "cuda")
+    assert (q.variant, q.table_stage) == ("mask", "fwd_mask")
+    assert query(softmax_fwd_p, (x, jnp.zeros((0,))), dict(params, causal=False), "cuda").variant == ""
+    strided = query(softmax_fwd_p, (x, jnp.zeros((0,))), dict(params, axis=-2, causal=False), "cuda")
+    assert strided.variant == "strided" and strided.cols == 8
+    impls = {i.name: i for i in registry.all_of("softmax")}
+    assert impls["cuda"].why_not_automatic(strided) is not None
+    table = json.loads((dispatch.TABLE_DIR / "nvidia_h100_80gb_hbm3.json").read_text())
+    masked = [e for e in table["entries"] if e["op"] == "softmax" and e["stage"] == "fwd_mask"]
+    assert masked, "the shipped H100 table has masked softmax times"
+    e = masked[-1]
+    q = registry.Query("softmax", "fwd", "cuda", (e["rows"], e["cols"]), e["dtype"],
+                       table["device_kind"], "mask")
+    name, reason = dispatch._from_table(q, impls)
+    assert name == min(e["us"], key=e["us"].get) and f"{e['us'][name]:.1f}us" in reason

@@ -27,7 +27,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_ops
-from jax_ops import _extension, registry
+import support
+from jax_ops import _extension
 from jax_ops.registry import Query
 from pallas_kernels import layer_norm as pallas_norm
 from jax_ops.layer_norm import norm_bwd_p, norm_fwd_p
@@ -46,26 +47,13 @@ HEAVY_COLS = 65536
 TOL_HEAVY_F32 = 2e-5
 
 
-def _lowering_platform() -> str:
-    """The jax lowering platform of the default backend ("cpu", "cuda", "rocm", ...)."""
-    backend = jax.default_backend()
-    try:
-        from jax._src import xla_bridge
-        return xla_bridge.canonicalize_platform(backend)
-    except Exception:  # pragma: no cover - private API moved
-        return {"gpu": "cuda"}.get(backend, backend)
-
-
-PLATFORM = _lowering_platform()
-AVAILABLE = jax_ops.implementations("layer_norm", platform=PLATFORM)
+PLATFORM = support.PLATFORM
+AVAILABLE = support.available("layer_norm")
 
 
 def need(impl):
     """Skips the calling test when `impl` cannot lower on this platform."""
-    if impl is not None and impl not in AVAILABLE:
-        why = "" if _extension.IMPORT_ERROR is None else f"; extension import failed: {_extension.IMPORT_ERROR}"
-        pytest.skip(f"implementation={impl!r} is not available on platform {PLATFORM!r} "
-                    f"(available: {AVAILABLE}{why})")
+    support.need("layer_norm", impl)
 
 
 def norm(op, x, scale=None, bias=None, *, impl=None, epsilon=None):

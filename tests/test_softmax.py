@@ -43,7 +43,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_ops
-from jax_ops import _extension
+import support
 from pallas_kernels import softmax as pallas_softmax
 
 OPS = ("softmax", "log_softmax")
@@ -58,26 +58,13 @@ HEAVY_COLS = 65536
 TOL_HEAVY_F32 = 3e-5  # float32 row sums of 65536 terms
 
 
-def _lowering_platform() -> str:
-    """The jax lowering platform of the default backend ("cpu", "cuda", "rocm", ...)."""
-    backend = jax.default_backend()
-    try:
-        from jax._src import xla_bridge
-        return xla_bridge.canonicalize_platform(backend)
-    except Exception:  # pragma: no cover - private API moved
-        return {"gpu": "cuda"}.get(backend, backend)
-
-
-PLATFORM = _lowering_platform()
-AVAILABLE = jax_ops.implementations("softmax", platform=PLATFORM)
+PLATFORM = support.PLATFORM
+AVAILABLE = support.available("softmax")
 
 
 def need(impl):
     """Skips the calling test when `impl` cannot lower on this platform."""
-    if impl is not None and impl not in AVAILABLE:
-        why = "" if _extension.IMPORT_ERROR is None else f"; extension import failed: {_extension.IMPORT_ERROR}"
-        pytest.skip(f"implementation={impl!r} is not available for softmax on platform {PLATFORM!r} "
-                    f"(available: {AVAILABLE}{why})")
+    support.need("softmax", impl)
 
 
 def call(op, x, *, impl=None, **kw):

@@ -1,0 +1,35 @@
+"""Helpers shared by the op test suites: the lowering platform and skipping
+implementations that cannot lower on it."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+import jax_ops
+from jax_ops import _extension
+
+
+def lowering_platform() -> str:
+    """The jax lowering platform of the default backend ("cpu", "cuda", "rocm", ...)."""
+    backend = jax.default_backend()
+    try:
+        from jax._src import xla_bridge
+        return xla_bridge.canonicalize_platform(backend)
+    except Exception:  # pragma: no cover - private API moved
+        return {"gpu": "cuda"}.get(backend, backend)
+
+
+PLATFORM = lowering_platform()
+
+
+def available(op: str) -> list[str]:
+    return jax_ops.implementations(op, platform=PLATFORM)
+
+
+def need(op: str, impl: str | None) -> None:
+    """Skips the calling test when `impl` cannot lower op on this platform."""
+    can = available(op)
+    if impl is not None and impl not in can:
+        why = "" if _extension.IMPORT_ERROR is None else f"; extension import failed: {_extension.IMPORT_ERROR}"
+        pytest.skip(f"implementation={impl!r} is not available for {op} on platform {PLATFORM!r} "
+                    f"(available: {can}{why})")
