@@ -13,7 +13,9 @@ static shapes, in this order:
    implementation's time; the fastest one that supports the call wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed as fwd_bwd - bwd), "fwd_mask" (masked or causal softmax) and
-   "bwd"; a stage without entries falls back to the plain stage's.
+   "bwd"; a stage without entries falls back to the plain stage's. An op this GPU's
+   table has no entries for (added after its run) uses the table of a GPU of the same
+   generation that has them (H200 <- H100; the reason names the file).
 5. heuristics, for GPUs without a table and for other platforms:
    - cuda platform: "cuda" (the hand kernels) where built, else "pallas", else "xla";
    - CPU: "xla". XLA's multi-threaded CPU code beat our single-threaded host
@@ -112,8 +114,27 @@ def _distance(q: Query, e: dict) -> float:
     return d + (0.0 if e["dtype"] == q.dtype else 0.5)
 
 
-def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
+def _generation(kind: str | None) -> str | None:
+    """"H100" -> "H": GPUs of one architecture generation (Hopper: H100, H200)."""
+    model = _model(kind)
+    return model[0] if model else None
+
+
+def _table_with_op(q: Query) -> dict | None:
+    """This GPU's table; where it has no entry for q's op (an op added after that GPU's
+    run), the table of another GPU of the same generation that has (H200 <- H100)."""
     table = table_for(q.device_kind)
+    if table is None or any(e["op"] == q.op for e in table["entries"]):
+        return table
+    for other in _tables():
+        if (_generation(other.get("device_kind")) == _generation(q.device_kind)
+                and any(e["op"] == q.op for e in other["entries"])):
+            return other
+    return table
+
+
+def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
+    table = _table_with_op(q)
     if table is None or q.cols is None:
         return None
     entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.table_stage]

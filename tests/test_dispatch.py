@@ -237,6 +237,20 @@ def test_table_lookup_picks_nearest_entry_fastest_supported(monkeypatch):
     assert dispatch._from_table(q, impls)[0] == "cuda"
 
 
+def test_table_of_same_generation_serves_an_op_this_gpu_was_not_measured_for(monkeypatch):
+    h200 = _table("NVIDIA H200", [_entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=10.0, cuda=8.0, pallas=9.0)])
+    h100 = dict(_table("NVIDIA H100 80GB HBM3", [
+        _entry("softmax", "fwd", "bfloat16", 49152, 256, xla=10.0, cuda=12.0, pallas=9.0)]), _path="h100.json")
+    monkeypatch.setattr(dispatch, "_tables", lambda: (h200, h100))
+    impls = {i.name: i for i in registry.all_of("softmax")}
+    q = Query("softmax", "fwd", "cuda", (8192, 256), "bfloat16", "NVIDIA H200")
+    name, reason = dispatch._from_table(q, impls)
+    assert name == "pallas" and "h100.json" in reason
+    # Another generation (A100) gets no table: heuristics decide.
+    q = Query("softmax", "fwd", "cuda", (8192, 256), "bfloat16", "NVIDIA A100-SXM4-80GB")
+    assert dispatch._from_table(q, impls) is None
+
+
 def test_shipped_tables_are_well_formed():
     tables = dispatch._tables()
     # H100 and H200 tables ship inside the package (installed, not just in the source tree).
