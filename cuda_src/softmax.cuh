@@ -2,16 +2,18 @@
 //
 // Rows are the flattened leading axes; the softmax runs over the last axis.
 // Tiers, by row length (cols), forward and backward alike:
-//   cols <= 1024  : a group of WIDTH lanes (1..32) per row, row in registers;
-//                   narrow groups take several rows at a time.
-//   cols <= 16384 : a block per row (up to 512 threads), each thread holding up to
-//                   32 values (8192 for unvectorized rows).
-//   longer rows   : a block per row, row cached in shared memory, or read twice
+//   cols <= 1024  : a group of WIDTH lanes (1..32) per row, row in registers (forward:
+//                   about 4 packs a lane, a thread per row for the shortest rows;
+//                   backward: narrow groups take several rows at a time).
+//   cols <= 16384 : a block per row (up to 512 threads; forward about 256), each
+//                   thread holding up to 32 values (16 for unvectorized rows).
+//   longer rows   : a block per row, row cached in shared memory, or read again
 //                   from global memory when shared memory cannot hold it.
-// The forward computes one exp per element: each thread keeps e = exp(z - m_t)
-// for its own max m_t, and rescales by exp(m_t - m) / s once the row's max m and
-// sum s are known (merged as (max, sum) pairs: one reduction, not two).
-// Mask kind, causal rule and log/softmax are runtime, warp-uniform branches.
+// The forward's register tiers take the row max, then one exp per element against
+// it (kept for softmax), then the sum: two plain reductions, no exps inside them.
+// The long-row tier merges per-pack (max, sum) pairs in its single read pass.
+// Unmasked rows run kernels compiled without the mask/causal tests (MASKED=false);
+// mask kind and log/softmax are runtime, warp-uniform branches.
 // Reductions run in a fixed order: no atomics, bitwise reproducible.
 #pragma once
 #include <cuda_runtime.h>

@@ -22,7 +22,7 @@ from jax import core
 
 from jax_ops import registry
 from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
-                               pallas_lowering, pallas_supports, vmap_reference)
+                               pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from pallas_kernels import layer_norm as pallas_norm
 
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -275,10 +275,7 @@ def _user_lowerings(op):
                     jnp.asarray(dscale).astype(dscale_dtype) if dscale_dtype else _empty(),
                     jnp.asarray(dbias).astype(dbias_dtype) if dbias_dtype else _empty(), work)
 
-        lower = {"fwd": jnp_lowering(fwd, takes_config=True)}
-        if backward is not None:
-            lower["bwd"] = jnp_lowering(bwd, takes_config=True)
-        return lower
+        return user_lowerings(fwd, bwd if backward is not None else None)
     return adapt
 
 

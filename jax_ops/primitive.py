@@ -102,6 +102,15 @@ def jnp_lowering(fn: Callable, *, takes_config: bool = False) -> Callable:
     return lower
 
 
+def user_lowerings(fwd: Callable, bwd: Callable | None) -> dict[str, Callable]:
+    """{stage: lowering} of an op's adapted user kernels (jnp code taking config=);
+    without a backward the stage is left to the automatic choice."""
+    lower = {"fwd": jnp_lowering(fwd, takes_config=True)}
+    if bwd is not None:
+        lower["bwd"] = jnp_lowering(bwd, takes_config=True)
+    return lower
+
+
 def ffi_lowering(target: str, attrs: Callable[[dict], dict]) -> Callable:
     """Lowering to XLA FFI custom call `target`; attrs(params) gives its attributes."""
     def lower(ctx, *args, platform, config, **params):

@@ -34,7 +34,7 @@ from jax import core
 
 from jax_ops import registry
 from jax_ops.primitive import (define_primitive, ffi_supports, jnp_lowering, pallas_lowering,
-                               pallas_supports)
+                               pallas_supports, user_lowerings)
 from pallas_kernels import softmax as pallas_softmax
 
 ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -93,28 +93,25 @@ def _check_scale(op, scale) -> float:
 
 
 def _prepare_mask(op, x, mask):
-    """The mask with x's rank, and its kind; raises on bad dtype or shape."""
+    """The mask with x's rank (float masks widened to float32 unless in x's dtype);
+    raises on bad dtype or shape. Its kind follows from its dtype (see _bind_fwd)."""
     if mask is None:
-        return None, "none"
+        return None
     mask = jnp.asarray(mask)
-    if mask.dtype == jnp.bool_:
-        kind = "bool"
-    elif jnp.issubdtype(mask.dtype, jnp.floating):
-        kind = "add"
+    if jnp.issubdtype(mask.dtype, jnp.floating):
         if mask.dtype not in (_F32, x.dtype):  # e.g. float16 with bfloat16 x: widen
             mask = mask.astype(jnp.float32)
-    else:
+    elif mask.dtype != jnp.bool_:
         raise TypeError(f"jax_ops.{op}: mask must be bool (True = keep) or floating (added to "
                         f"the logits); got dtype {_fmt_dtype(mask.dtype)}")
     try:
-        np.broadcast_shapes(tuple(mask.shape), tuple(x.shape))
         ok = mask.ndim <= x.ndim and np.broadcast_shapes(mask.shape, x.shape) == tuple(x.shape)
     except ValueError:
         ok = False
     if not ok:
         raise ValueError(f"jax_ops.{op}: mask of shape {tuple(mask.shape)} does not broadcast "
                          f"to x's shape {tuple(x.shape)}")
-    return mask.reshape((1,) * (x.ndim - mask.ndim) + tuple(mask.shape)), kind
+    return mask.reshape((1,) * (x.ndim - mask.ndim) + tuple(mask.shape))
 
 
 # ---------------------------------------------------------- mask row maps ---
@@ -357,10 +354,7 @@ def _user_lowerings(op):
             dx = backward(yk.reshape(-1, yk.shape[-1]), dyk.reshape(-1, yk.shape[-1]), scale=scale, **kw)
             return (jnp.moveaxis(jnp.asarray(dx).astype(y.dtype).reshape(yk.shape), -1, axis),)
 
-        lower = {"fwd": jnp_lowering(fwd, takes_config=True)}
-        if backward is not None:
-            lower["bwd"] = jnp_lowering(bwd, takes_config=True)
-        return lower
+        return user_lowerings(fwd, bwd if backward is not None else None)
     return adapt
 
 
@@ -438,7 +432,7 @@ def _call(op, x, axis, scale, mask, causal, implementation):
     if causal and (x.ndim < 2 or axis != -1):
         raise ValueError(f"jax_ops.{op}: causal=True needs x of shape (..., q, k) with the "
                          f"softmax over the last axis; got shape {tuple(x.shape)}, axis {axis}")
-    mask, _ = _prepare_mask(op, x, mask)
+    mask = _prepare_mask(op, x, mask)
     if x.shape[axis] == 0 or x.size == 0:  # nothing to normalize
         return jnp.zeros(x.shape, x.dtype)
     implementation = implementation or registry.override_for(op)

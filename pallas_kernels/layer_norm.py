@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import compiler_params, next_pow2, unique_configs
+from pallas_kernels.common import (compiler_params, default_tile, next_pow2, tile_configs,
+                                   unique_configs)
 
 MAX_COLS = 32768  # one row of float32 sums per program: 64 values a thread at 16 warps
 
@@ -41,10 +42,7 @@ def supports(cols: int) -> tuple[bool, str]:
 
 def default_config(rows: int, cols: int, stage: str) -> dict:
     """Heuristic tile: ~8K elements a program, ~16 elements a thread."""
-    cp = next_pow2(cols)
-    block_rows = max(1, min(64, 8192 // cp, next_pow2(max(rows, 1))))
-    num_warps = max(1, min(16, block_rows * cp // 512))
-    cfg = {"block_rows": block_rows, "num_warps": num_warps}
+    cfg = default_tile(rows, cols, 8192)
     if stage == "bwd":
         cfg["programs"] = 264  # two per SM on an H100/H200 (132 SMs)
     return cfg
@@ -52,21 +50,10 @@ def default_config(rows: int, cols: int, stage: str) -> dict:
 
 def candidate_configs(rows: int, cols: int, stage: str) -> list[dict]:
     """The tunable space autotune explores (the default first)."""
-    cp = next_pow2(cols)
-    out = [default_config(rows, cols, stage)]
-    for tile in (2048, 4096, 8192, 16384):
-        block_rows = max(1, min(128, tile // cp))
-        for per_thread in (8, 16, 32):
-            num_warps = block_rows * cp // (32 * per_thread)
-            if not 1 <= num_warps <= 16:
-                continue
-            cfg = {"block_rows": block_rows, "num_warps": num_warps}
-            if stage == "bwd":
-                for programs in (132, 264, 528):
-                    out.append(dict(cfg, programs=programs))
-            else:
-                out.append(cfg)
-    return unique_configs(out)
+    tiles = tile_configs(cols)
+    if stage == "bwd":
+        tiles = [dict(t, programs=p) for t in tiles for p in (132, 264, 528)]
+    return unique_configs([default_config(rows, cols, stage)] + tiles)
 
 
 # ---------------------------------------------------------------- forward ---

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import compiler_params, next_pow2, unique_configs
+from pallas_kernels.common import (compiler_params, default_tile, next_pow2, tile_configs,
+                                   unique_configs)
 
 MAX_COLS = 32768
 
@@ -37,24 +38,12 @@ def supports(cols: int) -> tuple[bool, str]:
 def default_config(rows: int, cols: int, stage: str) -> dict:
     """Heuristic tile: ~8K elements a program (4K in the backward, which holds y and
     dy), ~16 elements a thread."""
-    cp = next_pow2(cols)
-    tile = 8192 if stage == "fwd" else 4096
-    block_rows = max(1, min(64, tile // cp, next_pow2(max(rows, 1))))
-    num_warps = max(1, min(16, block_rows * cp // 512))
-    return {"block_rows": block_rows, "num_warps": num_warps}
+    return default_tile(rows, cols, 8192 if stage == "fwd" else 4096)
 
 
 def candidate_configs(rows: int, cols: int, stage: str) -> list[dict]:
     """The tunable space autotune explores (the default first)."""
-    cp = next_pow2(cols)
-    out = [default_config(rows, cols, stage)]
-    for tile in (2048, 4096, 8192, 16384):
-        block_rows = max(1, min(128, tile // cp))
-        for per_thread in (8, 16, 32):
-            num_warps = block_rows * cp // (32 * per_thread)
-            if 1 <= num_warps <= 16:
-                out.append({"block_rows": block_rows, "num_warps": num_warps})
-    return unique_configs(out)
+    return unique_configs([default_config(rows, cols, stage)] + tile_configs(cols))
 
 
 # ---------------------------------------------------------------- forward ---
