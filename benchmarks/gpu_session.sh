@@ -60,6 +60,19 @@ for step in $steps; do
     autotune) python3 benchmarks/autotune_check.py 2>&1 | tee "$L/autotune.txt" | tail -40 ;;
     bench-ln) python3 -m jax_ops.bench --op layer_norm --mode fwd,fwd_bwd,bwd --check --json "$L/layer_norm.json" 2>&1 | tee "$L/layer_norm.txt" ;;
     bench-rms) python3 -m jax_ops.bench --op rms_norm --mode fwd,fwd_bwd,bwd --check --json "$L/rms_norm.json" 2>&1 | tee "$L/rms_norm.txt" ;;
+    # ReLU family and BatchNorm fusions (issue 5)
+    check-relu-bn) python3 benchmarks/sanitize_relu_bn.py 2>&1 | tail -20 | tee "$L/check_relu_bn.txt"
+           IMPL=pallas python3 benchmarks/sanitize_relu_bn.py 2>&1 | tail -20 | tee -a "$L/check_relu_bn.txt" ;;
+    sanitize-relu-bn) timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_relu_bn.py 1,33,4099,65537 1,33,2048 2>&1 | tail -8 | tee "$L/memcheck_relu_bn.txt" ;;
+    racecheck-relu-bn) timeout 200 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_relu_bn.py 4099 33,256 2>&1 | tail -8 | tee "$L/racecheck_relu_bn.txt" ;;
+    # relu/add_relu at 100-400 MB bf16 tensors; BatchNorm at the issue's ResNet shapes
+    bench-relu) python3 -m jax_ops.bench --op relu,add_relu --rows 49152 --cols ${RELU_COLS:-1024,4096} --dtype ${RELU_DTYPE:-bf16} \
+        --mode fwd,fwd_bwd,bwd --impl cuda,pallas,xla,auto,jnp --max-sets 48 --check --table "$table" --json "$L/relu.json" 2>&1 | tee "$L/relu.txt" | grep -v "K=" | tail -60; cp "$table" "$L/" ;;
+    bench-bn) for dt in ${BN_DTYPES:-f32 bf16}; do for shape in ${BN_SHAPES:-200704:32 401408:256}; do
+        python3 -m jax_ops.bench --op batch_norm_relu,batch_norm_add_relu --rows ${shape%%:*} --cols ${shape##*:} --dtype $dt \
+          --mode fwd,fwd_bwd,bwd --impl cuda,pallas,xla,auto,flax --max-sets 8 --check --table "$table" --json "$L/bn_${dt}_${shape%%:*}.json" 2>&1 | tee "$L/bn_${dt}_${shape%%:*}.txt" | grep -v "K=" | tail -40
+        done; done; cp "$table" "$L/" ;;
+    memory-relu-bn) python3 benchmarks/memory_relu_bn.py 2>&1 | tee "$L/memory.txt" ;;
     env) ;;
     *) echo "unknown step $step" ;;
   esac

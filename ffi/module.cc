@@ -21,12 +21,20 @@ NB_MODULE(_ffi, m) {
     cpu["jax_ops_device_copy"] = capsule(JaxOpsDeviceCopyCpu);
     cpu["jax_ops_softmax_fwd"] = capsule(JaxOpsSoftmaxFwdCpu);
     cpu["jax_ops_softmax_bwd"] = capsule(JaxOpsSoftmaxBwdCpu);
+    cpu["jax_ops_relu_fwd"] = capsule(JaxOpsReluFwdCpu);
+    cpu["jax_ops_relu_bwd"] = capsule(JaxOpsReluBwdCpu);
+    cpu["jax_ops_bn_relu_fwd"] = capsule(JaxOpsBnReluFwdCpu);
+    cpu["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCpu);
 #ifdef JAX_OPS_WITH_CUDA
     cuda["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCuda);
     cuda["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCuda);
     cuda["jax_ops_device_copy"] = capsule(JaxOpsDeviceCopyCuda);
     cuda["jax_ops_softmax_fwd"] = capsule(JaxOpsSoftmaxFwdCuda);
     cuda["jax_ops_softmax_bwd"] = capsule(JaxOpsSoftmaxBwdCuda);
+    cuda["jax_ops_relu_fwd"] = capsule(JaxOpsReluFwdCuda);
+    cuda["jax_ops_relu_bwd"] = capsule(JaxOpsReluBwdCuda);
+    cuda["jax_ops_bn_relu_fwd"] = capsule(JaxOpsBnReluFwdCuda);
+    cuda["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCuda);
 #endif
     out["cpu"] = cpu;
     out["CUDA"] = cuda;

@@ -4,13 +4,16 @@ from jax_ops.tuning import autotune
 from jax_ops.dispatch import explain
 from jax_ops.layer_norm import layer_norm, rms_norm
 from jax_ops.softmax import log_softmax, softmax
+from jax_ops.relu import add_relu, relu
+from jax_ops.batch_norm import batch_norm_add_relu, batch_norm_relu
 from jax_ops.registry import (implementations, register_implementation,
                               unregister_implementation, use)
 
 #: the built-in implementations every op has
 IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 
-__all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "IMPLEMENTATIONS", "implementations", "use",
+__all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "relu", "add_relu",
+           "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
            "with_cuda"]
 

@@ -1,7 +1,8 @@
 """Benchmark of jax_ops' norms and softmax against XLA, autodiff baselines and a copy ceiling.
 
     python -m jax_ops.bench
-        [--op layer_norm|rms_norm|softmax|log_softmax|softmax_mask|softmax_causal]
+        [--op layer_norm|rms_norm|softmax|log_softmax|softmax_mask|softmax_causal|
+              relu|add_relu|batch_norm_relu|batch_norm_add_relu]
         [--impl cuda,pallas,xla,auto,flax,jnp] [--dtype bf16|f32|f16] [--rows N]
         [--cols 32,64,...] [--mode fwd,fwd_bwd,bwd] [--repeats 5] [--check]
         [--json [PATH]] [--csv PATH] [--table PATH]
@@ -338,6 +339,96 @@ def _softmax_spec(log: bool = False, masked: bool = False, causal: bool = False)
                   table_stages=("fwd", "bwd"), xla_summary=True, **common)
 
 
+# relu family and the BatchNorm fusions. x is (rows, cols); for BatchNorm cols are the
+# channels (an NHWC activation flattened to (N*H*W, C)). The mask residual is 1 bit per
+# element: M = rows * cols / 8 bytes.
+
+BN_EPSILON = 1e-5
+
+
+def _relu_spec(add: bool) -> OpSpec:
+    def make_inputs(kx, kp, kq, dtype, rows, cols):
+        x = jax.random.normal(kx, (rows, cols), dtype)
+        return x, ((jax.random.normal(kp, (rows, cols), dtype),) if add else ())
+
+    def kernel(impl):
+        if add:
+            return lambda x, z: jax_ops.add_relu(x, z, implementation=impl)
+        return lambda x: jax_ops.relu(x, implementation=impl)
+
+    def reference(dtype):  # XLA's relu, autodiff keeps what it likes (x or a predicate)
+        if add:
+            return lambda x, z: jax.nn.relu(x + z)
+        return jax.nn.relu
+
+    def nbytes(rows, cols, itemsize):
+        x, m = rows * cols * itemsize, -(-rows * cols // 32) * 4
+        fwd = (3 if add else 2) * x + m      # read x (and z), write y and the mask
+        bwd = 2 * x + m                      # read dy and the mask, write dx (= dz)
+        return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
+
+    return OpSpec(make_inputs=make_inputs, kernel=kernel, reference=reference, nbytes=nbytes,
+                  diff_params=add, table_stages=("fwd", "bwd"),
+                  title=" (y + 1-bit mask)")
+
+
+def _bn_spec(add: bool) -> OpSpec:
+    op = "batch_norm_add_relu" if add else "batch_norm_relu"
+
+    def make_inputs(kx, kp, kq, dtype, rows, cols):
+        x = 0.5 + jax.random.normal(kx, (rows, cols), dtype)
+        scale = 1.0 + 0.1 * jax.random.normal(kp, (cols,), jnp.float32)
+        bias = 0.1 * jax.random.normal(kq, (cols,), jnp.float32)
+        z = (jax.random.normal(jax.random.fold_in(kq, 1), (rows, cols), dtype),) if add else ()
+        return x, (*z, scale, bias)
+
+    def kernel(impl):  # training forward; y only (the statistics are for the running averages)
+        if add:
+            return lambda x, z, s, b: jax_ops.batch_norm_add_relu(
+                x, z, s, b, epsilon=BN_EPSILON, implementation=impl)[0]
+        return lambda x, s, b: jax_ops.batch_norm_relu(x, s, b, epsilon=BN_EPSILON,
+                                                       implementation=impl)[0]
+
+    def reference(dtype):  # BatchNorm in float32 jnp + jax.nn.relu, autodiff
+        def bn(x, s, b):
+            xf = x.astype(jnp.float32)
+            mean = jnp.mean(xf, axis=0)
+            var = jnp.mean(jnp.square(xf - mean), axis=0)
+            return ((xf - mean) * jax.lax.rsqrt(var + BN_EPSILON) * s + b).astype(x.dtype)
+        if add:
+            return lambda x, z, s, b: jax.nn.relu(bn(x, s, b) + z)
+        return lambda x, s, b: jax.nn.relu(bn(x, s, b))
+
+    def flax(dtype):  # flax.linen.BatchNorm (training, batch_stats updated) + jax.nn.relu
+        import flax.linen as nn
+        m = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=BN_EPSILON,
+                         dtype=dtype, param_dtype=jnp.float32)
+
+        def bn(x, s, b):
+            c = x.shape[-1]
+            stats = {"mean": jnp.zeros((c,), jnp.float32), "var": jnp.ones((c,), jnp.float32)}
+            y, _ = m.apply({"params": {"scale": s, "bias": b}, "batch_stats": stats}, x,
+                           mutable=["batch_stats"])
+            return y
+        if add:
+            return lambda x, z, s, b: jax.nn.relu(bn(x, s, b) + z)
+        return lambda x, s, b: jax.nn.relu(bn(x, s, b))
+
+    def nbytes(rows, cols, itemsize):
+        # Two-pass floors: the per-channel reduction over all rows must finish before
+        # the elementwise pass, so x (and dy) are read twice.
+        x, m, p = rows * cols * itemsize, -(-rows * cols // 32) * 4, cols * 4
+        z = x if add else 0
+        fwd = 3 * x + z + m + 2 * p            # stats: read x; then read x (z), write y, mask
+        bwd = 5 * x + z + 2 * m + 4 * p        # reduce: dy, x, mask; then dy, x, mask -> dx (dz)
+        return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
+
+    return OpSpec(make_inputs=make_inputs, kernel=kernel, reference=reference, flax=flax,
+                  nbytes=nbytes, num_params=2, epsilon=BN_EPSILON, table_stages=("bwd",),
+                  table_alias=(op, "fwd_stats"),
+                  title=" training, (rows, C) = (N*H*W, C)")
+
+
 SPECS: dict[str, OpSpec] = {
     "layer_norm": _norm_spec("layer_norm"),
     "rms_norm": _norm_spec("rms_norm"),
@@ -345,6 +436,10 @@ SPECS: dict[str, OpSpec] = {
     "log_softmax": _softmax_spec(log=True),
     "softmax_mask": _softmax_spec(masked=True),
     "softmax_causal": _softmax_spec(causal=True),
+    "relu": _relu_spec(add=False),
+    "add_relu": _relu_spec(add=True),
+    "batch_norm_relu": _bn_spec(add=False),
+    "batch_norm_add_relu": _bn_spec(add=True),
 }
 OPS = tuple(SPECS)
 

@@ -42,3 +42,26 @@ def unique_configs(configs: list[dict]) -> list[dict]:
 
 def compiler_params(num_warps: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=2)
+
+
+# ------------------------------------------------- 1-bit masks (ReLU family) ---
+
+MASK_BITS = 32  # a mask word is a uint32: bit i % 32 of word i // 32 belongs to flat element i
+
+
+def mask_words(n: int) -> int:
+    """uint32 words of a 1-bit mask over n elements."""
+    return -(-int(n) // MASK_BITS)
+
+
+def word_tile_configs(max_block_words: int) -> list[dict]:
+    """The flat (block_words, num_warps) tiles autotune explores: 32-512 words
+    (1K-16K elements) a program, 8-32 elements a thread, 1-16 warps."""
+    out = []
+    for block_words in (32, 64, 128, 256, 512):
+        block_words = min(block_words, max_block_words)
+        for per_thread in (8, 16, 32):
+            num_warps = block_words * MASK_BITS // (32 * per_thread)
+            if 1 <= num_warps <= 16:
+                out.append({"block_words": block_words, "num_warps": num_warps})
+    return out
