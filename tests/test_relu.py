@@ -9,6 +9,7 @@ outputs, errors, and the residual memory: 1 bit per element.
 """
 from __future__ import annotations
 
+import re
 import warnings
 import zlib
 
@@ -229,7 +230,9 @@ def test_lowering_uses_the_chosen_implementation(impl):
     need(impl)
     x = jnp.ones((4, 64), jnp.float32)
     text = jax.jit(jax.grad(lambda x: jax_ops.relu(x, implementation=impl).sum())).lower(x).as_text()
-    assert ("jax_ops_relu_fwd" in text and "jax_ops_relu_bwd" in text) == (impl == "cuda")
+    # the FFI custom calls (a Pallas kernel's name may contain the same words)
+    found = [re.search(rf"custom_call\s*@{t}\b", text) is not None for t in ("jax_ops_relu_fwd", "jax_ops_relu_bwd")]
+    assert found == [impl == "cuda"] * 2, found
 
 
 def test_errors_name_the_argument():
