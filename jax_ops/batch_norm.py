@@ -34,24 +34,13 @@ from jax import core
 
 from jax_ops import registry
 from jax_ops.layer_norm import check_inputs
+from jax_ops.primitive import empty as _empty, dtype_name as _fmt_dtype  # shared helpers
 from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
                                pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from jax_ops.relu import MASK_DTYPE, check_z, mask_words, pack_bits, relu_out, unpack_bits
 from pallas_kernels import batch_norm as pallas_bn
 
 _F32 = jnp.dtype(jnp.float32)
-
-
-def _empty():
-    return jnp.zeros((0,), jnp.float32)
-
-
-def _present(a) -> bool:
-    return a.shape != (0,)
-
-
-def _fmt_dtype(d) -> str:
-    return jnp.dtype(d).name
 
 
 def _rows_channels(shape) -> tuple[int, int]:

@@ -21,24 +21,12 @@ import numpy as np
 from jax import core
 
 from jax_ops import registry
+from jax_ops.primitive import ACT_DTYPES, empty as _empty, present as _present, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
 from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
                                pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from pallas_kernels import layer_norm as pallas_norm
 
-ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
-
-
-def _empty():
-    return jnp.zeros((0,), jnp.float32)
-
-
-def _present(a) -> bool:
-    return a.shape != (0,)
-
-
-def _fmt_dtype(d) -> str:
-    return jnp.dtype(d).name
 
 
 # ------------------------------------------------------------- validation ---

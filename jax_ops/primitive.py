@@ -9,12 +9,29 @@ from collections.abc import Callable
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_ops import _extension, dispatch, registry
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+#: activation dtypes every op takes
+ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def empty():
+    """The placeholder of an absent operand/result: a zero-element float32 array."""
+    return jnp.zeros((0,), jnp.float32)
+
+
+def present(a) -> bool:
+    return a.shape != (0,)
+
+
+def dtype_name(d) -> str:
+    return jnp.dtype(d).name
 
 #: primitive -> (stage, op_of(params), variant_of(params), shape_of(shape, params));
 #: dispatch.explain and autotune read it

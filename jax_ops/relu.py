@@ -20,20 +20,12 @@ import numpy as np
 from jax import core
 
 from jax_ops import registry
+from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
 from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
                                pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from pallas_kernels import relu as pallas_relu
 
-ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MASK_DTYPE = jnp.dtype(jnp.uint32)
-
-
-def _empty():
-    return jnp.zeros((0,), jnp.float32)
-
-
-def _fmt_dtype(d) -> str:
-    return jnp.dtype(d).name
 
 
 def mask_words(n: int) -> int:

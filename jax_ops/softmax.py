@@ -33,21 +33,13 @@ import numpy as np
 from jax import core
 
 from jax_ops import registry
+from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
 from jax_ops.primitive import (define_primitive, ffi_supports, jnp_lowering, pallas_lowering,
                                pallas_supports, user_lowerings)
 from pallas_kernels import softmax as pallas_softmax
 
-ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)
 MAX_MASK_GROUPS = 4  # cuda_src/softmax_math.h kMaxMaskGroups
-
-
-def _empty():
-    return jnp.zeros((0,), jnp.float32)
-
-
-def _fmt_dtype(d) -> str:
-    return jnp.dtype(d).name
 
 
 def _op_of(params) -> str:
