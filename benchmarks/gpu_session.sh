@@ -7,6 +7,8 @@ set -uo pipefail
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/jax_ops_out}; L=$OUT/logs; mkdir -p "$L"
 steps=${*:-env check tests bench-ln bench-rms sanitize}
+# .carry/COMMIT: the source commit this run tests (the extension may be from an older
+# commit with the same C++/CUDA sources: .carry/BUILD_COMMIT)
 commit=$(cat .carry/COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 export JAX_OPS_COMMIT=$commit  # recorded by the benchmark's JSON
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
@@ -73,6 +75,9 @@ for step in $steps; do
           --mode fwd,fwd_bwd,bwd --impl cuda,pallas,xla,auto,flax --max-sets 8 --check --table "$table" --json "$L/bn_${dt}_${shape%%:*}.json" 2>&1 | tee "$L/bn_${dt}_${shape%%:*}.txt" | grep -v "K=" | tail -40
         done; done; cp "$table" "$L/" ;;
     memory-relu-bn) python3 benchmarks/memory_relu_bn.py 2>&1 | tee "$L/memory.txt" ;;
+    # Flax layers and examples (issue 6): the layer tests on the GPU, then train-step times
+    tests-nn) python3 -m pytest tests/test_nn.py tests/test_examples.py -q -n 4 -p no:cacheprovider 2>&1 | tee "$L/tests_nn.txt" | tail -15 ;;
+    step-time) python3 benchmarks/step_time.py --out "$L/step_time.json" ${STEP_ARGS:-} 2>&1 | tee "$L/step_time.txt" | tail -40 ;;
     env) ;;
     *) echo "unknown step $step" ;;
   esac

@@ -18,6 +18,14 @@ __all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "relu", "add_relu
            "with_cuda"]
 
 
+def __getattr__(name):
+    # The Flax layers load on first use: flax is an optional dependency.
+    if name in ("nn", "nnx"):
+        import importlib
+        return importlib.import_module(f"jax_ops.{name}")
+    raise AttributeError(f"module 'jax_ops' has no attribute {name!r}")
+
+
 def with_cuda() -> bool:
     """Whether the installed extension carries the CUDA kernels."""
     return bool(_extension._ffi is not None and getattr(_extension._ffi, "with_cuda", False))

@@ -35,7 +35,7 @@ from jax import core
 from jax_ops import registry
 from jax_ops.layer_norm import check_inputs
 from jax_ops.primitive import empty as _empty, dtype_name as _fmt_dtype  # shared helpers
-from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+from jax_ops.primitive import (define_primitive, match_varying, ffi_lowering, ffi_supports, jnp_lowering,
                                pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from jax_ops.relu import MASK_DTYPE, check_z, mask_words, pack_bits, relu_out, unpack_bits
 from pallas_kernels import batch_norm as pallas_bn
@@ -325,8 +325,8 @@ def _call(op, x, z, scale, bias, epsilon, training, mean, var, implementation):
     scale32 = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     bias32 = jnp.zeros((c,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     implementation = implementation or registry.override_for(op)
-    y, batch_mean, batch_var = _bn(x, _empty() if z is None else z, scale32, bias32, mean_in,
-                                   var_in, float(epsilon), bool(training), z is not None,
+    operands = match_varying(x, _empty() if z is None else z, scale32, bias32, mean_in, var_in)
+    y, batch_mean, batch_var = _bn(*operands, float(epsilon), bool(training), z is not None,
                                    implementation)
     return (y, batch_mean, batch_var) if training else y
 

@@ -22,7 +22,7 @@ from jax import core
 
 from jax_ops import registry
 from jax_ops.primitive import ACT_DTYPES, empty as _empty, present as _present, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+from jax_ops.primitive import (define_primitive, match_varying, ffi_lowering, ffi_supports, jnp_lowering,
                                pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from pallas_kernels import layer_norm as pallas_norm
 
@@ -347,7 +347,7 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementatio
     """
     x, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
     implementation = implementation or registry.override_for("layer_norm")
-    return _norm(x, scale, bias, float(epsilon), False, implementation)
+    return _norm(*match_varying(x, scale, bias), float(epsilon), False, implementation)
 
 
 def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None = None):
@@ -357,4 +357,4 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None
     """
     x, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
     implementation = implementation or registry.override_for("rms_norm")
-    return _norm(x, scale, None, float(epsilon), True, implementation)
+    return _norm(*match_varying(x, scale, None), float(epsilon), True, implementation)

@@ -33,6 +33,41 @@ def present(a) -> bool:
 def dtype_name(d) -> str:
     return jnp.dtype(d).name
 
+def _varying_axes(aval) -> frozenset:
+    """The shard_map mesh axes a value varies over (check_vma); empty outside shard_map."""
+    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+def match_varying(*args):
+    """Inside shard_map, casts the operands of one op call (None allowed) to vary over the
+    union of the manual axes any of them varies over, as jax does for its own primitives.
+    Called before an op's custom_vjp function: the cast's transpose then sums the
+    cotangent of a replicated parameter (dscale, dbias) over the devices."""
+    axes = frozenset().union(*(_varying_axes(jax.typeof(a)) for a in args if a is not None))
+    if not axes:
+        return args
+    # absent-operand placeholders (zero elements) stay as they are: the custom VJPs
+    # return fresh placeholders for them
+    return tuple(a if a is None or a.size == 0 or not (axes - _varying_axes(jax.typeof(a)))
+                 else jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(jax.typeof(a)))),
+                                    to="varying")
+                 for a in args)
+
+
+def _with_input_varying(abstract_eval: Callable) -> Callable:
+    """Results vary over the manual axes any operand varies over (shard_map's check_vma)."""
+    def wrapped(*avals, **params):
+        outs = abstract_eval(*avals, **params)
+        axes = frozenset().union(*(_varying_axes(a) for a in avals))
+        if not axes:
+            return outs
+        from jax._src.core import ManualAxisType, get_cur_mesh_sharding
+        # results are unsharded within the current (manual) mesh, varying like the inputs
+        return [o.update(sharding=get_cur_mesh_sharding(), manual_axis_type=ManualAxisType(
+            varying=axes)) for o in outs]
+    return wrapped
+
+
 #: primitive -> (stage, op_of(params), variant_of(params), shape_of(shape, params));
 #: dispatch.explain and autotune read it
 PRIMITIVES: dict[Primitive, tuple] = {}
@@ -90,7 +125,7 @@ def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
     prim = Primitive(f"jax_ops_{name}")
     prim.multiple_results = True
     prim.def_impl(partial(jax._src.dispatch.apply_primitive, prim))
-    prim.def_abstract_eval(abstract_eval)
+    prim.def_abstract_eval(_with_input_varying(abstract_eval))
     PRIMITIVES[prim] = (stage, op_of, variant_of, shape_of)
 
     def lowering(ctx, *args, platform, implementation, **params):

@@ -21,7 +21,7 @@ from jax import core
 
 from jax_ops import registry
 from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+from jax_ops.primitive import (define_primitive, match_varying, ffi_lowering, ffi_supports, jnp_lowering,
                                pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
 from pallas_kernels import relu as pallas_relu
 
@@ -270,4 +270,4 @@ def add_relu(x, z, *, implementation: str | None = None):
     check_z("add_relu", x, z)
     if z.shape != x.shape:
         z = jnp.broadcast_to(z, x.shape)
-    return _relu(x, z, True, implementation or registry.override_for("add_relu"))
+    return _relu(*match_varying(x, z), True, implementation or registry.override_for("add_relu"))

@@ -34,7 +34,7 @@ from jax import core
 
 from jax_ops import registry
 from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, ffi_supports, jnp_lowering, pallas_lowering,
+from jax_ops.primitive import (define_primitive, match_varying, ffi_supports, jnp_lowering, pallas_lowering,
                                pallas_supports, user_lowerings)
 from pallas_kernels import softmax as pallas_softmax
 
@@ -428,6 +428,7 @@ def _call(op, x, axis, scale, mask, causal, implementation):
     if x.shape[axis] == 0 or x.size == 0:  # nothing to normalize
         return jnp.zeros(x.shape, x.dtype)
     implementation = implementation or registry.override_for(op)
+    x, mask = match_varying(x, mask)
     return _softmax(x, mask, axis, scale, op == "log_softmax", bool(causal), implementation)
 
 
