@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ops
 from jax_ops import primitive
-from tests.support import need
+from support import need
 
 import jax_ops.nn as jnn  # noqa: E402  (flax must import first for the error to be clear)
 import jax_ops.nnx as jnnx  # noqa: E402
