@@ -9,7 +9,7 @@
 //      a channel pack are merged by a fixed tree in shared memory; one (mean, M2, n)
 //      per block and channel goes to work[0..2][p][c]. P' <= work's P, about 4 blocks
 //      per multiprocessor in all.
-//   2. stats_finalize_kernel: blocks of (TX channels) x (TY partial rows); each thread
+//   2. stats_finalize_kernel: blocks of (TX channels) x (TY partial rows), 1024 threads; each thread
 //      sums a strided set of partials, a fixed tree over TY finishes: Σn and Σn·mean
 //      give the mean, then Σ(M2 + n·(mean_p − mean)²) the variance; mean, var, rstd.
 //   3. masked_fwd_kernel (relu.cuh) with BnOp: warp tiles over the flat array, the
@@ -36,6 +36,10 @@ namespace jax_ops::bn {
 constexpr int kColThreads = 256;      // threads of the column-reduction blocks
 constexpr int64_t kMaxTilePacks = 64;  // channel packs of one column tile
 constexpr int kColBlocksPerSm = 4;     // partial blocks per multiprocessor
+// Finalize blocks: (TX channels) x (kFinalizeThreads / TX partial rows). With few
+// channels there are few blocks, so each is wide and keeps 8 loads in flight per thread
+// (256-thread blocks with one load at a time took ~29 us per call at C = 64, P = 528).
+constexpr int kFinalizeThreads = 1024;
 
 // Geometry of the column reductions (forward statistics, backward sums).
 struct ColumnGrid {
@@ -145,16 +149,17 @@ __global__ void __launch_bounds__(kColThreads)
   }
 }
 
-__global__ void __launch_bounds__(kColThreads)
+__global__ void __launch_bounds__(kFinalizeThreads)
     stats_finalize_kernel(const float* __restrict__ work, int64_t parts, int64_t work_parts, int64_t cols,
                           float eps, float* __restrict__ mean, float* __restrict__ var, float* __restrict__ rstd) {
-  __shared__ float red[2 * kColThreads];
+  __shared__ float red[2 * kFinalizeThreads];
   const int64_t plane = work_parts * cols;
   for (int64_t c0 = int64_t(blockIdx.x) * blockDim.x; c0 < cols; c0 += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = c0 + threadIdx.x;
     const bool valid = c < cols;
     float s[2] = {0.f, 0.f};  // Σ n_p, Σ n_p·mean_p
     if (valid)
+#pragma unroll 8
       for (int64_t p = threadIdx.y; p < parts; p += blockDim.y) {
         const float n = work[2 * plane + p * cols + c];
         s[0] += n;
@@ -164,6 +169,7 @@ __global__ void __launch_bounds__(kColThreads)
     const float m = s[1] / s[0];
     float q[1] = {0.f};  // Σ M2_p + n_p·(mean_p − mean)²
     if (valid)
+#pragma unroll 8
       for (int64_t p = threadIdx.y; p < parts; p += blockDim.y)
         q[0] += chan_m2_term(work[plane + p * cols + c], work[2 * plane + p * cols + c], work[p * cols + c], m);
     column_sums<1>(q, red);
@@ -286,16 +292,17 @@ __global__ void __launch_bounds__(kColThreads)
   }
 }
 
-__global__ void __launch_bounds__(kColThreads)
+__global__ void __launch_bounds__(kFinalizeThreads)
     grad_finalize_kernel(const float* __restrict__ work, int64_t parts, int64_t work_parts, int64_t cols,
                          float* __restrict__ dscale, float* __restrict__ dbias) {
-  __shared__ float red[2 * kColThreads];
+  __shared__ float red[2 * kFinalizeThreads];
   const int64_t plane = work_parts * cols;
   for (int64_t c0 = int64_t(blockIdx.x) * blockDim.x; c0 < cols; c0 += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = c0 + threadIdx.x;
     const bool valid = c < cols;
     float s[2] = {0.f, 0.f};  // Σg, Σg·xhat
     if (valid)
+#pragma unroll 8
       for (int64_t p = threadIdx.y; p < parts; p += blockDim.y) {
         s[0] += work[p * cols + c];
         s[1] += work[plane + p * cols + c];
@@ -401,11 +408,11 @@ inline dim3 column_grid_dims(const ColumnGrid& g) {
   return dim3(unsigned(g.parts), unsigned(g.tiles < 65535 ? g.tiles : 65535));
 }
 
-// Blocks of (TX channels) x (256 / TX partial rows) for the finalize kernels.
+// Blocks of (TX channels) x (kFinalizeThreads / TX partial rows) for the finalize kernels.
 inline void finalize_geometry(int64_t cols, dim3* block, int* blocks) {
   int tx = 1;
   while (tx < 32 && tx < cols) tx *= 2;
-  *block = dim3(unsigned(tx), unsigned(kColThreads / tx));
+  *block = dim3(unsigned(tx), unsigned(kFinalizeThreads / tx));
   const int64_t tiles = (cols + tx - 1) / tx;
   const int64_t cap = int64_t(sm_count()) * 8;
   *blocks = int(tiles < cap ? tiles : cap);

@@ -29,6 +29,14 @@ TF = dict(vocab=32, d_model=32, heads=2, seq=16, batch=4)
 RN = dict(batch=8, size=6, channels=8, num_classes=5)
 RN_SHAPE = (RN["batch"], RN["size"], RN["size"], RN["channels"])
 
+@pytest.fixture(autouse=True)
+def _exact_float32_matmuls():
+    # On GPUs float32 matmuls/convolutions default to TF32, whose ~1e-3 rounding would
+    # swamp the float32 comparisons with flax; bfloat16 ones are unaffected.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 
 def rel_err(a, b) -> float:
     """‖a − b‖ / ‖b‖ over all leaves of two trees together."""
