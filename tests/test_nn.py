@@ -303,6 +303,24 @@ def test_linen_batch_norm_axis_name_under_shard_map(impl):
     assert_close(run(ours)[:3], (y, stats, g[0]), F32, "vs unsharded")
 
 
+def test_linen_batch_norm_axis_name_under_pmap():
+    cpus = jax.devices("cpu")[:8]
+    x = data(jax.random.key(1), (8, 2, 3, 4, 12), F32)
+    z = data(jax.random.key(2), (8, 2, 3, 4, 12), F32, offset=0.0)
+    variables = randomize(FlaxBlock().init(jax.random.key(0), x[0], z[0], True), jax.random.key(4))
+    variables["batch_stats"] = jax.tree.map(jnp.abs, variables["batch_stats"])
+
+    def run(model):
+        def per_device(x, z):
+            y, s = model.apply(variables, x, z, True, mutable=["batch_stats"])
+            return y, s["batch_stats"]
+        return jax.pmap(per_device, axis_name="batch", devices=cpus)(x, z)
+
+    y_o, stats_o = run(OurBlock(axis_name="batch"))
+    y_t, stats_t = run(FlaxBlock(axis_name="batch"))
+    assert_close((y_o, stats_o), (y_t, stats_t), F32)
+
+
 # --------------------------------------------------------------------- NNX ---
 
 NNX_NORMS = [(nnx.LayerNorm, jnnx.LayerNorm, "layer_norm"), (nnx.RMSNorm, jnnx.RMSNorm, "rms_norm")]
