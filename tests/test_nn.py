@@ -339,6 +339,9 @@ def test_nnx_norm_matches_flax(flax_cls, our_cls, op, dtype, layer_dtype, impl):
     nnx.update(ours, nnx.state(theirs))                      # flax state loads into ours
     same_layout(nnx.state(ours), nnx.state(theirs))
     assert_close(ours(x), theirs(x), theirs(x).dtype)
+    fresh = flax_cls(33, dtype=layer_dtype, epsilon=1e-5, rngs=nnx.Rngs(1))
+    nnx.update(fresh, nnx.state(ours))                       # ... and ours into flax's
+    assert_close(fresh(x), theirs(x), theirs(x).dtype)
     cot = jax.random.normal(jax.random.key(8), x.shape)
     loss = lambda m, x: (m(x).astype(jnp.float32) * cot).sum()  # noqa: E731
     g_t = nnx.grad(loss, argnums=(0, 1))(theirs, x)
