@@ -6,6 +6,7 @@ from jax_ops.layer_norm import layer_norm, rms_norm
 from jax_ops.softmax import log_softmax, softmax
 from jax_ops.relu import add_relu, relu
 from jax_ops.batch_norm import batch_norm_add_relu, batch_norm_relu
+from jax_ops._export import custom_call_targets, disabled_checks, export
 from jax_ops.registry import (implementations, register_implementation,
                               unregister_implementation, use)
 
@@ -15,7 +16,7 @@ IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 __all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "relu", "add_relu",
            "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
-           "with_cuda"]
+           "with_cuda", "export", "disabled_checks", "custom_call_targets"]
 
 
 def __getattr__(name):

@@ -25,6 +25,7 @@ The VJP keeps x, the mask, float32 mean/rstd per channel and scale.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -35,21 +36,26 @@ from jax import core
 from jax_ops import registry
 from jax_ops.layer_norm import check_inputs
 from jax_ops.primitive import empty as _empty, dtype_name as _fmt_dtype  # shared helpers
-from jax_ops.primitive import (define_primitive, match_varying, ffi_lowering, ffi_supports, jnp_lowering,
-                               pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
-from jax_ops.relu import MASK_DTYPE, check_z, mask_words, pack_bits, relu_out, unpack_bits
+from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+                               match_vma, pallas_lowering, pallas_supports, user_lowerings,
+                               vmap_reference)
+from jax_ops.relu import MASK_DTYPE, check_z, mask_policy, mask_shape, pack_bits, relu_out, unpack_bits
+from jax_ops.sharding import Rules
 from pallas_kernels import batch_norm as pallas_bn
 
 _F32 = jnp.dtype(jnp.float32)
 
 
 def _rows_channels(shape) -> tuple[int, int]:
-    return int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
+    """(rows, C); rows may be a symbolic dim (jax.export)."""
+    return math.prod(shape[:-1]), shape[-1]
 
 
-def work_rows(rows: int, channels: int) -> int:
-    """P: rows of per-block partials the kernels may write (at most 16 MiB a plane)."""
-    return max(1, min(1024, rows, (16 << 20) // (4 * max(channels, 1))))
+def work_rows(rows, channels: int) -> int:
+    """P: rows of per-block partials the kernels may write (at most 16 MiB a plane);
+    with a symbolic row count bounded by the channels alone (a static shape)."""
+    p = min(1024, (16 << 20) // (4 * max(channels, 1)))
+    return max(1, min(p, rows) if isinstance(rows, int) else p)
 
 
 def _op_of(params) -> str:
@@ -73,7 +79,7 @@ def _fwd_abstract(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_
     chan = core.ShapedArray((c,), _F32)
     work = core.ShapedArray((3, work_rows(rows, c), c) if training else (0,), _F32)
     return (core.ShapedArray(x.shape, x.dtype),
-            core.ShapedArray((mask_words(rows * c),), MASK_DTYPE), chan, chan, chan, work)
+            core.ShapedArray(mask_shape(x.shape), MASK_DTYPE), chan, chan, chan, work)
 
 
 def batch_stats(x2):
@@ -92,7 +98,8 @@ def _fwd_reference(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has
     if has_z:
         pre = pre + z.reshape(rows, c).astype(jnp.float32)
     work = jnp.zeros((3, work_rows(rows, c), c) if training else (0,), jnp.float32)
-    return (relu_out(pre).astype(x.dtype).reshape(x.shape), pack_bits(pre > 0), mean, var, rstd, work)
+    return (relu_out(pre).astype(x.dtype).reshape(x.shape),
+            pack_bits(pre > 0).reshape(mask_shape(x.shape)), mean, var, rstd, work)
 
 
 def _fwd_batch(args, dims, **params):
@@ -100,8 +107,52 @@ def _fwd_batch(args, dims, **params):
     return vmap_reference(_fwd_reference, args, dims, params)
 
 
+# ---------------------------------------------------------------- sharding ---
+# Channels sharded: statistics are per channel, each device runs the kernels on its
+# channels. Rows sharded (data parallelism) in training: the statistics are those of
+# the global batch (jit semantics): per-channel partial sums psum'ed over the row axes
+# (two-pass: Σx, then Σ(x − mean)²; O(C) data each), then the kernel's inference pass
+# normalizes the local rows with them; the backward psums Σg and Σg·x̂ per channel and
+# forms dx with jnp. At inference each device normalizes its rows; dscale/dbias are
+# psum'ed.
+
+def _rows_sharded_training(layout, params):
+    return bool(params["training"]) and bool(layout.row_axes)
+
+
+def _global_rows(layout):
+    return math.prod(layout.shape[:-1])
+
+
+def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z,
+               implementation):
+    rows, c = _rows_channels(x.shape)
+    xf = x.reshape(rows, c).astype(jnp.float32)
+    n = _global_rows(layout)
+    mean = jax.lax.psum(jnp.sum(xf, axis=0), layout.row_axes) / n
+    var = jax.lax.psum(jnp.sum(jnp.square(xf - mean), axis=0), layout.row_axes) / n
+    y, mask, _, _, rstd, _ = bn_fwd_p.bind(x, z, scale, bias, mean, var, epsilon=epsilon,
+                                           training=False, has_z=has_z,
+                                           implementation=implementation)
+    return y, mask, mean, var, rstd, None
+
+
+def _bwd_local(layout, mesh, *args, implementation, **params):
+    def col_sums(arrays):
+        return jax.lax.psum(tuple(jnp.sum(a, axis=0) for a in arrays), layout.row_axes)
+    return _bwd_reference(*args, col_sums=col_sums, total_rows=_global_rows(layout), **params)
+
+
+FWD_RULES = Rules(ins=lambda p: ("x", "x", "cols", "cols", "cols", "cols"),
+                  outs=lambda p: ("x", "mask", "cols", "cols", "cols", "none"),
+                  policy=mask_policy, needs_local=_rows_sharded_training, local=_fwd_local)
+BWD_RULES = Rules(ins=lambda p: ("x", "x", "mask", "cols", "cols", "cols", "cols", "cols"),
+                  outs=lambda p: ("x", "x", "colsum", "colsum", "none"),
+                  policy=mask_policy, needs_local=_rows_sharded_training, local=_bwd_local)
+
+
 bn_fwd_p = define_primitive("bn_relu_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
-                            batching_rule=_fwd_batch,
+                            batching_rule=_fwd_batch, sharding=FWD_RULES,
                             variant_of=lambda p: "stats" if p["training"] else "")
 
 
@@ -113,25 +164,31 @@ def _bwd_abstract(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"jax_ops.{op} backward: dy must match x; got dy {dy.shape} "
                          f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
-    if mask.shape != (mask_words(rows * c),) or mask.dtype != MASK_DTYPE:
+    if tuple(mask.shape) != mask_shape(x.shape) or mask.dtype != MASK_DTYPE:
         raise ValueError(f"jax_ops.{op} backward: mask must be uint32 of shape "
-                         f"({mask_words(rows * c)},); got {mask.shape} {_fmt_dtype(mask.dtype)}")
+                         f"{mask_shape(x.shape)}; got {mask.shape} {_fmt_dtype(mask.dtype)}")
     chan = core.ShapedArray((c,), _F32)
     dz = core.ShapedArray(x.shape, x.dtype) if has_z else core.ShapedArray((0,), _F32)
     return (core.ShapedArray(x.shape, x.dtype), dz, chan, chan,
             core.ShapedArray((2, work_rows(rows, c), c), _F32))
 
 
-def _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):
+def _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z,
+                   col_sums=None, total_rows=None):
+    """col_sums(a): a's per-channel sums over all rows, total_rows: their count (psum'ed
+    over devices when the rows are sharded)."""
     rows, c = _rows_channels(x.shape)
+    if col_sums is None:
+        def col_sums(arrays):
+            return tuple(jnp.sum(a, axis=0) for a in arrays)
+    total_rows = rows if total_rows is None else total_rows
     g = jnp.where(unpack_bits(mask, (rows, c)), dy.reshape(rows, c).astype(jnp.float32), 0.0)
     xhat = (x.reshape(rows, c).astype(jnp.float32) - mean) * rstd
-    dbias = jnp.sum(g, axis=0)
-    dscale = jnp.sum(g * xhat, axis=0)
+    dbias, dscale = col_sums((g, g * xhat))
     a = scale * rstd
     dx = a * g
     if training:
-        dx = dx + ((2.0 * gvar / rstd - a * dscale) / rows) * xhat + (gmean - a * dbias) / rows
+        dx = dx + ((2.0 * gvar / rstd - a * dscale) / total_rows) * xhat + (gmean - a * dbias) / total_rows
     dz = g.astype(x.dtype).reshape(x.shape) if has_z else _empty()
     work = jnp.zeros((2, work_rows(rows, c), c), jnp.float32)
     return dx.astype(x.dtype).reshape(x.shape), dz, dscale, dbias, work
@@ -142,7 +199,7 @@ def _bwd_batch(args, dims, **params):
 
 
 bn_bwd_p = define_primitive("bn_relu_bwd", stage="bwd", op_of=_op_of, abstract_eval=_bwd_abstract,
-                            batching_rule=_bwd_batch)
+                            batching_rule=_bwd_batch, sharding=BWD_RULES)
 
 
 # --------------------------------------------------------- implementations ---
@@ -157,7 +214,7 @@ def _pallas_fwd(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z,
         None if training else mean_in, None if training else var_in, epsilon=epsilon,
         training=training, config=config, interpret=interpret)
     work = jnp.zeros((3, work_rows(rows, c), c) if training else (0,), jnp.float32)
-    return y.reshape(x.shape), mask, mean, var, rstd, work
+    return y.reshape(x.shape), mask.reshape(mask_shape(x.shape)), mean, var, rstd, work
 
 
 def _pallas_bwd(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z, config, interpret):
@@ -166,7 +223,7 @@ def _pallas_bwd(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z,
         return _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, training=training,
                               has_z=has_z)
     dx, dz, dscale, dbias = pallas_bn.bn_relu_bwd(
-        dy.reshape(rows, c), x.reshape(rows, c), mask, mean, rstd, scale,
+        dy.reshape(rows, c), x.reshape(rows, c), mask.reshape(-1), mean, rstd, scale,
         gmean if training else None, gvar if training else None, training=training, has_z=has_z,
         config=config, interpret=interpret)
     work = jnp.zeros((2, work_rows(rows, c), c), jnp.float32)
@@ -201,13 +258,14 @@ def _user_lowerings(op):
                 mean, var = mean_in, var_in
             y = jnp.asarray(y).astype(x.dtype).reshape(x.shape)
             work = jnp.zeros((3, work_rows(rows, c), c) if training else (0,), jnp.float32)
-            return y, pack_bits(y > 0), mean, var, jax.lax.rsqrt(var + epsilon), work
+            return (y, pack_bits(y > 0).reshape(mask_shape(x.shape)), mean, var,
+                    jax.lax.rsqrt(var + epsilon), work)
 
         def bwd(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z, config):
             rows, c = _rows_channels(x.shape)
             kw = {"config": config} if tunable else {}
             dx, dz, dscale, dbias = backward(
-                dy.reshape(rows, c), x.reshape(rows, c), mask, mean, rstd, scale,
+                dy.reshape(rows, c), x.reshape(rows, c), mask.reshape(-1), mean, rstd, scale,
                 gmean if training else None, gvar if training else None, training=training, **kw)
             return (jnp.asarray(dx).astype(x.dtype).reshape(x.shape),
                     jnp.asarray(dz).astype(x.dtype).reshape(x.shape) if has_z else _empty(),
@@ -227,9 +285,9 @@ def _register_builtins():
             op, "cuda",
             {"fwd": ffi_lowering("jax_ops_bn_relu_fwd", lambda p: {
                 "epsilon": np.float32(p["epsilon"]), "training": bool(p["training"]),
-                "has_z": bool(p["has_z"])}),
+                "has_z": bool(p["has_z"])}, flat_results=(1,)),
              "bwd": ffi_lowering("jax_ops_bn_relu_bwd", lambda p: {
-                 "training": bool(p["training"]), "has_z": bool(p["has_z"])})},
+                 "training": bool(p["training"]), "has_z": bool(p["has_z"])}, flat_operands=(2,))},
             supports=ffi_supports("jax_ops_bn_relu_fwd"),
             description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
         registry.add(registry.Implementation(
@@ -325,8 +383,9 @@ def _call(op, x, z, scale, bias, epsilon, training, mean, var, implementation):
     scale32 = jnp.ones((c,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     bias32 = jnp.zeros((c,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     implementation = implementation or registry.override_for(op)
-    operands = match_varying(x, _empty() if z is None else z, scale32, bias32, mean_in, var_in)
-    y, batch_mean, batch_var = _bn(*operands, float(epsilon), bool(training), z is not None,
+    x, z, scale32, bias32, mean_in, var_in = match_vma(x, z, scale32, bias32, mean_in, var_in)
+    y, batch_mean, batch_var = _bn(x, _empty() if z is None else z, scale32, bias32, mean_in,
+                                   var_in, float(epsilon), bool(training), z is not None,
                                    implementation)
     return (y, batch_mean, batch_var) if training else y
 

@@ -13,6 +13,7 @@ parameters as residuals.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -21,9 +22,11 @@ import numpy as np
 from jax import core
 
 from jax_ops import registry
+from jax_ops.sharding import Rules
 from jax_ops.primitive import ACT_DTYPES, empty as _empty, present as _present, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, match_varying, ffi_lowering, ffi_supports, jnp_lowering,
-                               pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
+from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+                               match_vma, pallas_lowering, pallas_supports, user_lowerings,
+                               vmap_reference)
 from pallas_kernels import layer_norm as pallas_norm
 
 _F32 = jnp.dtype(jnp.float32)
@@ -75,14 +78,25 @@ def _fwd_abstract(x, scale, bias, *, epsilon, rms, with_stats, implementation):
     return core.ShapedArray(x.shape, x.dtype), mean, stat
 
 
-def _fwd_reference(x, scale, bias, *, epsilon, rms, with_stats):
+def _row_sums(*arrays):
+    """Sums over the last axis (the normalized one)."""
+    return tuple(jnp.sum(a, axis=-1) for a in arrays)
+
+
+def _fwd_reference(x, scale, bias, *, epsilon, rms, with_stats, row_sums=_row_sums, cols=None):
+    """row_sums/cols: the sums over whole rows and the row length, when x holds only
+    some of each row's columns (the normalized axis sharded: the sums are psum'ed)."""
     xf = x.astype(jnp.float32)
+    cols = x.shape[-1] if cols is None else cols
     if rms:
         mean = jnp.zeros(_stat_shape(x), jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1) + epsilon)
-    else:
-        mean = jnp.mean(xf, axis=-1)
-        rstd = jax.lax.rsqrt(jnp.mean(jnp.square(xf - mean[..., None]), axis=-1) + epsilon)
+        (ss,) = row_sums(jnp.square(xf))
+        rstd = jax.lax.rsqrt(ss / cols + epsilon)
+    else:  # two-pass: the mean, then the squares about it
+        (s1,) = row_sums(xf)
+        mean = s1 / cols
+        (ss,) = row_sums(jnp.square(xf - mean[..., None]))
+        rstd = jax.lax.rsqrt(ss / cols + epsilon)
     y = (xf - mean[..., None]) * rstd[..., None]
     if _present(scale):
         y = y * scale.astype(jnp.float32)
@@ -110,8 +124,42 @@ def _op_of(params) -> str:
     return "rms_norm" if params["rms"] else "layer_norm"
 
 
+def _hidden_sharded(layout, params):
+    return bool(layout.col_axes)
+
+
+def _fwd_local(layout, mesh, x, scale, bias, *, implementation, **params):
+    """Per device, the normalized axis sharded: per-row partial sums psum'ed over the
+    column axes (O(rows) data), then the local columns normalized (jnp)."""
+    def row_sums(*a):
+        return jax.lax.psum(_row_sums(*a), layout.col_axes)
+    return _fwd_reference(x, scale, bias, row_sums=row_sums, cols=layout.shape[-1], **params)
+
+
+def _bwd_local(layout, mesh, dy, x, mean, rstd, scale, *, implementation, **params):
+    """Per device, the normalized axis sharded: Σg·x̂ and Σg per row psum'ed over the
+    column axes (one collective), dscale/dbias psum'ed over the row axes."""
+    rows = tuple(range(x.ndim - 1))
+
+    def row_sums(*a):
+        return jax.lax.psum(_row_sums(*a), layout.col_axes)
+
+    def col_sums(a):
+        s = jnp.sum(a, axis=rows)
+        return jax.lax.psum(s, layout.row_axes) if layout.row_axes else s
+    return _bwd_reference(dy, x, mean, rstd, scale, row_sums=row_sums, cols=layout.shape[-1],
+                          col_sums=col_sums, **params)
+
+
+FWD_RULES = Rules(ins=lambda p: ("x", "cols", "cols"), outs=lambda p: ("x", "rows", "rows"),
+                  needs_local=_hidden_sharded, local=_fwd_local)
+BWD_RULES = Rules(ins=lambda p: ("x", "x", "rows", "rows", "cols"),
+                  outs=lambda p: ("x", "colsum", "colsum", "none"),
+                  needs_local=_hidden_sharded, local=_bwd_local)
+
+
 norm_fwd_p = define_primitive("norm_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
-                              batching_rule=_fwd_batch,
+                              batching_rule=_fwd_batch, sharding=FWD_RULES,
                               variant_of=lambda p: "stats" if p["with_stats"] else "")
 
 
@@ -121,12 +169,16 @@ def workspace_shape(x_shape, want_param_grads: bool) -> tuple[int, ...]:
     """[2, P, cols] float32 partials; the CUDA backward runs at most P blocks.
 
     Only the P' <= P rows its grid uses are written and read, so a generous P costs
-    memory, not traffic: up to 4096 blocks, at most 128 MiB."""
+    memory, not traffic: up to 4096 blocks, at most 128 MiB. With a symbolic row count
+    (jax.export) P is bounded by cols alone, so the workspace shape stays static."""
     if not want_param_grads:
         return (0,)
     cols = x_shape[-1]
-    rows = int(np.prod(x_shape[:-1], dtype=np.int64))
-    return (2, max(1, min(4096, rows, (128 << 20) // (8 * cols))), cols)
+    rows = math.prod(x_shape[:-1])
+    p = min(4096, (128 << 20) // (8 * cols))
+    if isinstance(rows, int):
+        p = min(p, rows)
+    return (2, max(1, p), cols)
 
 
 def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, implementation):
@@ -145,17 +197,28 @@ def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype, i
     return core.ShapedArray(x.shape, x.dtype), dscale, dbias, work
 
 
-def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
+def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype,
+                   row_sums=_row_sums, cols=None, col_sums=None):
+    """row_sums/cols as in _fwd_reference; col_sums(a): a's sum over all rows (psum'ed
+    over the devices holding other rows when the rows are sharded)."""
     xf, dyf = x.astype(jnp.float32), dy.astype(jnp.float32)
+    cols = x.shape[-1] if cols is None else cols
     mean = 0.0 if rms else mean[..., None]
     xhat = (xf - mean) * rstd[..., None]
     g = dyf * scale.astype(jnp.float32) if _present(scale) else dyf
-    mean_gx = jnp.mean(g * xhat, axis=-1, keepdims=True)
-    mean_g = 0.0 if rms else jnp.mean(g, axis=-1, keepdims=True)
+    if rms:
+        (sgx,) = row_sums(g * xhat)
+        mean_g = 0.0
+    else:
+        sgx, sg = row_sums(g * xhat, g)
+        mean_g = (sg / cols)[..., None]
+    mean_gx = (sgx / cols)[..., None]
     dx = rstd[..., None] * (g - mean_g - xhat * mean_gx)
     rows = tuple(range(x.ndim - 1))
-    dscale = jnp.sum(dyf * xhat, axis=rows).astype(dscale_dtype) if dscale_dtype else _empty()
-    dbias = jnp.sum(dyf, axis=rows).astype(dbias_dtype) if dbias_dtype else _empty()
+    if col_sums is None:
+        col_sums = lambda a: jnp.sum(a, axis=rows)  # noqa: E731
+    dscale = col_sums(dyf * xhat).astype(dscale_dtype) if dscale_dtype else _empty()
+    dbias = col_sums(dyf).astype(dbias_dtype) if dbias_dtype else _empty()
     work = jnp.zeros(workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype)), jnp.float32)
     return dx.astype(x.dtype), dscale, dbias, work
 
@@ -192,7 +255,7 @@ def _bwd_batch(args, dims, **params):
 
 
 norm_bwd_p = define_primitive("norm_bwd", stage="bwd", op_of=_op_of, abstract_eval=_bwd_abstract,
-                              batching_rule=_bwd_batch)
+                              batching_rule=_bwd_batch, sharding=BWD_RULES)
 
 
 # --------------------------------------------------------- implementations ---
@@ -347,7 +410,8 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementatio
     """
     x, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
     implementation = implementation or registry.override_for("layer_norm")
-    return _norm(*match_varying(x, scale, bias), float(epsilon), False, implementation)
+    x, scale, bias = match_vma(x, scale, bias)
+    return _norm(x, scale, bias, float(epsilon), False, implementation)
 
 
 def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None = None):
@@ -357,4 +421,5 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None
     """
     x, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
     implementation = implementation or registry.override_for("rms_norm")
-    return _norm(*match_varying(x, scale, None), float(epsilon), True, implementation)
+    x, scale = match_vma(x, scale)
+    return _norm(x, scale, None, float(epsilon), True, implementation)

@@ -4,6 +4,7 @@ serves the call; plus helpers that build the common kinds of Implementation."""
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -14,6 +15,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_ops import _extension, dispatch, registry
+from jax_ops import sharding as _sharding
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -32,41 +34,6 @@ def present(a) -> bool:
 
 def dtype_name(d) -> str:
     return jnp.dtype(d).name
-
-def _varying_axes(aval) -> frozenset:
-    """The shard_map mesh axes a value varies over (check_vma); empty outside shard_map."""
-    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
-
-
-def match_varying(*args):
-    """Inside shard_map, casts the operands of one op call (None allowed) to vary over the
-    union of the manual axes any of them varies over, as jax does for its own primitives.
-    Called before an op's custom_vjp function: the cast's transpose then sums the
-    cotangent of a replicated parameter (dscale, dbias) over the devices."""
-    axes = frozenset().union(*(_varying_axes(jax.typeof(a)) for a in args if a is not None))
-    if not axes:
-        return args
-    # absent-operand placeholders (zero elements) stay as they are: the custom VJPs
-    # return fresh placeholders for them
-    return tuple(a if a is None or a.size == 0 or not (axes - _varying_axes(jax.typeof(a)))
-                 else jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(jax.typeof(a)))),
-                                    to="varying")
-                 for a in args)
-
-
-def _with_input_varying(abstract_eval: Callable) -> Callable:
-    """Results vary over the manual axes any operand varies over (shard_map's check_vma)."""
-    def wrapped(*avals, **params):
-        outs = abstract_eval(*avals, **params)
-        axes = frozenset().union(*(_varying_axes(a) for a in avals))
-        if not axes:
-            return outs
-        from jax._src.core import ManualAxisType, get_cur_mesh_sharding
-        # results are unsharded within the current (manual) mesh, varying like the inputs
-        return [o.update(sharding=get_cur_mesh_sharding(), manual_axis_type=ManualAxisType(
-            varying=axes)) for o in outs]
-    return wrapped
-
 
 #: primitive -> (stage, op_of(params), variant_of(params), shape_of(shape, params));
 #: dispatch.explain and autotune read it
@@ -108,10 +75,39 @@ def default_platform() -> str:
     return {"gpu": "cuda"}.get(backend, backend)
 
 
+def _with_vma(abstract_eval, *avals, **params):
+    """abstract_eval's results, varying over the manual mesh axes (shard_map) any
+    operand varies over: per-device results of per-device data."""
+    outs = abstract_eval(*avals, **params)
+    vma = frozenset().union(*(a.mat.varying for a in avals if hasattr(a, "mat")))
+    if not vma:
+        return outs
+    from jax._src import core as _core
+    return type(outs)(
+        o.update(sharding=_core.get_cur_mesh_sharding() if o.sharding.mesh.empty else o.sharding,
+                 manual_axis_type=o.mat.update(varying=vma)) for o in outs)
+
+
+def match_vma(*arrays):
+    """The arrays, each made varying over every manual mesh axis (shard_map) that any of
+    them varies over, placeholders excepted (jax.lax.pcast to="varying"; its transpose psums the gradient of a
+    replicated parameter). Identity outside shard_map. The custom VJPs call it on their
+    differentiable inputs, so per-device gradients match their inputs' types."""
+    def vma(a):
+        aval = jax.typeof(a) if a is not None else None
+        return getattr(getattr(aval, "mat", None), "varying", frozenset())
+    every = frozenset().union(*(vma(a) for a in arrays))
+    if not every:
+        return arrays
+    return tuple(a if a is None or a.shape == (0,) or not (every - vma(a)) else
+                 jax.lax.pcast(a, tuple(sorted(every - vma(a))), to="varying") for a in arrays)
+
+
 def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
                      abstract_eval: Callable, batching_rule: Callable | None = None,
                      variant_of: Callable[[dict], str] = lambda params: "",
-                     shape_of: Callable[[tuple, dict], tuple] = lambda shape, params: shape) -> Primitive:
+                     shape_of: Callable[[tuple, dict], tuple] = lambda shape, params: shape,
+                     sharding=None) -> Primitive:
     """Creates primitive `jax_ops_<name>` (multiple results) for one stage of an op.
 
     variant_of(params) names a flavour of the stage that the measured tables time
@@ -121,14 +117,23 @@ def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
 
     Every such primitive carries an `implementation` param (None = automatic); the
     others are passed to the chosen implementation's lowering.
+
+    sharding: a `jax_ops.sharding.Rules` (roles of operands and results, per-device
+    code where a sharded axis needs cross-device statistics); on several devices the
+    lowering wraps the call in a custom_partitioning built from it.
     """
     prim = Primitive(f"jax_ops_{name}")
     prim.multiple_results = True
     prim.def_impl(partial(jax._src.dispatch.apply_primitive, prim))
-    prim.def_abstract_eval(_with_input_varying(abstract_eval))
+    prim.def_abstract_eval(partial(_with_vma, abstract_eval))
     PRIMITIVES[prim] = (stage, op_of, variant_of, shape_of)
 
     def lowering(ctx, *args, platform, implementation, **params):
+        if sharding is not None and _sharding.spans_devices(ctx):
+            out = _sharding.lower_partitioned(prim, sharding, ctx, args,
+                                              dict(params, implementation=implementation))
+            if out is not None:
+                return out
         q = query(prim, ctx.avals_in, params, platform)
         d = dispatch.choose(q, implementation)
         lower = registry.get(q.op, d.implementation).lower[stage]
@@ -138,6 +143,8 @@ def define_primitive(name: str, *, stage: str, op_of: Callable[[dict], str],
         mlir.register_lowering(prim, partial(lowering, platform=platform), platform=platform)
     if batching_rule is not None:
         batching.primitive_batchers[prim] = batching_rule
+    if sharding is not None:  # the partitioner needs the device assignment at lowering
+        jax._src.dispatch.prim_requires_devices_during_lowering.add(prim)
     return prim
 
 
@@ -163,11 +170,23 @@ def user_lowerings(fwd: Callable, bwd: Callable | None) -> dict[str, Callable]:
     return lower
 
 
-def ffi_lowering(target: str, attrs: Callable[[dict], dict]) -> Callable:
-    """Lowering to XLA FFI custom call `target`; attrs(params) gives its attributes."""
+def ffi_lowering(target: str, attrs: Callable[[dict], dict], *, flat_operands=(),
+                 flat_results=()) -> Callable:
+    """Lowering to XLA FFI custom call `target`; attrs(params) gives its attributes.
+    flat_operands/flat_results: indices of arrays the handler takes as 1-D (the bit
+    masks, whose primitive shape follows x's axes): reshaped, a bitcast."""
     def lower(ctx, *args, platform, config, **params):
         del platform, config
-        return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs(params))
+        if not (flat_operands or flat_results):
+            return jax.ffi.ffi_lowering(target)(ctx, *args, **attrs(params))
+
+        def call(*a):
+            a = [v.reshape(-1) if i in flat_operands else v for i, v in enumerate(a)]
+            outs = [jax.ShapeDtypeStruct((math.prod(o.shape),) if i in flat_results else o.shape,
+                                         o.dtype) for i, o in enumerate(ctx.avals_out)]
+            res = jax.ffi.ffi_call(target, outs)(*a, **attrs(params))
+            return [r.reshape(o.shape) for r, o in zip(res, ctx.avals_out)]
+        return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
     return lower
 
 

@@ -12,6 +12,7 @@ dx = dy where the bit is set, else 0; add_relu's dz is the same array.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -20,17 +21,30 @@ import numpy as np
 from jax import core
 
 from jax_ops import registry
+from jax_ops.sharding import Rules, mask_is_rowwise
 from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, match_varying, ffi_lowering, ffi_supports, jnp_lowering,
-                               pallas_lowering, pallas_supports, user_lowerings, vmap_reference)
+from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
+                               match_vma, pallas_lowering, pallas_supports, user_lowerings,
+                               vmap_reference)
 from pallas_kernels import relu as pallas_relu
 
 MASK_DTYPE = jnp.dtype(jnp.uint32)
 
 
-def mask_words(n: int) -> int:
-    """uint32 words of the 1-bit mask of n elements."""
-    return -(-int(n) // 32)
+def mask_words(n) -> int:
+    """uint32 words of the 1-bit mask of n elements (n may be a symbolic dim)."""
+    return -(-(int(n) if isinstance(n, (int, np.integer)) else n) // 32)
+
+
+def mask_shape(shape) -> tuple:
+    """The mask's shape for x of `shape`: when x's last axis is a whole number of words,
+    x's shape with that axis in words (x.shape[:-1] + (cols // 32,)) — the bytes of the
+    flat layout, but on x's axes, so the mask shards like x across devices —, else the
+    flat (ceil(n / 32),)."""
+    shape = tuple(shape)
+    if mask_is_rowwise(shape):
+        return shape[:-1] + (shape[-1] // 32,)
+    return (mask_words(math.prod(shape)),)
 
 
 # -------------------------------------------------- bit mask pack / unpack ---
@@ -45,9 +59,10 @@ def pack_bits(pred) -> jax.Array:
 
 
 def unpack_bits(mask, shape) -> jax.Array:
-    """uint32 (ceil(n/32),) -> bool array of `shape` (n elements), inverse of pack_bits."""
-    n = int(np.prod(shape, dtype=np.int64))
-    bits = (mask[:, None] >> jnp.arange(32, dtype=MASK_DTYPE)) & 1
+    """uint32 words (any shape of ceil(n/32) words) -> bool array of `shape` (n
+    elements), inverse of pack_bits."""
+    n = math.prod(shape)
+    bits = (mask.reshape(-1)[:, None] >> jnp.arange(32, dtype=MASK_DTYPE)) & 1
     return bits.reshape(-1)[:n].reshape(shape).astype(bool)
 
 
@@ -89,15 +104,14 @@ def _fwd_abstract(x, z, *, has_z, implementation):
     if has_z and (z.shape != x.shape or z.dtype != x.dtype):
         raise ValueError(f"jax_ops.add_relu forward: z must match x; got z {z.shape} "
                          f"{_fmt_dtype(z.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
-    n = int(np.prod(x.shape, dtype=np.int64))
-    return core.ShapedArray(x.shape, x.dtype), core.ShapedArray((mask_words(n),), MASK_DTYPE)
+    return core.ShapedArray(x.shape, x.dtype), core.ShapedArray(mask_shape(x.shape), MASK_DTYPE)
 
 
 def _fwd_reference(x, z, *, has_z):
     pre = x.astype(jnp.float32)
     if has_z:
         pre = pre + z.astype(jnp.float32)
-    return relu_out(pre).astype(x.dtype), pack_bits(pre > 0)
+    return relu_out(pre).astype(x.dtype), pack_bits(pre > 0).reshape(mask_shape(x.shape))
 
 
 def _fold_batch(a, d, size):
@@ -115,20 +129,35 @@ def _fwd_batch(args, dims, **params):
     if params["has_z"]:
         z = _fold_batch(z, dims[1], size)
     y, mask = relu_fwd_p.bind(x, z, **params)
-    return (y, mask.reshape(size, per_example // 32)), (0, 0)
+    return (y, mask.reshape((size,) + mask_shape(x.shape[1:]))), (0, 0)
 
+
+def mask_policy(layout, mesh, params):
+    """Shardings the mask can follow: with a row-wise mask, any sharding of x whose
+    local last axis is a whole number of words; with a flat mask (x's last axis not a
+    multiple of 32), none — x is gathered (documented)."""
+    if not mask_is_rowwise(layout.shape):
+        return layout.replace(dims=((),) * len(layout.dims))
+    k = math.prod(mesh.shape[a] for a in layout.dims[-1])
+    if (layout.shape[-1] // k) % 32:
+        return layout.replace(dims=layout.dims[:-1] + ((),))
+    return layout
+
+
+# relu is elementwise: every device runs the kernel on its shard; the mask shards like x.
+FWD_RULES = Rules(ins=lambda p: ("x", "x"), outs=lambda p: ("x", "mask"), policy=mask_policy)
+BWD_RULES = Rules(ins=lambda p: ("x", "mask"), outs=lambda p: ("x",), policy=mask_policy)
 
 relu_fwd_p = define_primitive("relu_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
-                              batching_rule=_fwd_batch)
+                              batching_rule=_fwd_batch, sharding=FWD_RULES)
 
 
 # --------------------------------------------------------------- backward ---
 
 def _bwd_abstract(dy, mask, *, has_z, implementation):
-    n = int(np.prod(dy.shape, dtype=np.int64))
-    if mask.dtype != MASK_DTYPE or mask.shape != (mask_words(n),):
+    if mask.dtype != MASK_DTYPE or tuple(mask.shape) != mask_shape(dy.shape):
         raise ValueError(f"jax_ops.{_op_of({'has_z': has_z})} backward: mask must be uint32 of shape "
-                         f"({mask_words(n)},) for dy of shape {dy.shape}; got {mask.shape} "
+                         f"{mask_shape(dy.shape)} for dy of shape {dy.shape}; got {mask.shape} "
                          f"{_fmt_dtype(mask.dtype)}")
     return (core.ShapedArray(dy.shape, dy.dtype),)
 
@@ -145,12 +174,12 @@ def _bwd_batch(args, dims, **params):
     if per_example % 32:
         return vmap_reference(_bwd_reference, args, dims, params)
     dy = _fold_batch(dy, dims[0], size)
-    mask = _fold_batch(mask, dims[1], size).reshape(-1)
+    mask = _fold_batch(mask, dims[1], size).reshape(mask_shape(dy.shape))
     return relu_bwd_p.bind(dy, mask, **params), (0,)
 
 
 relu_bwd_p = define_primitive("relu_bwd", stage="bwd", op_of=_op_of, abstract_eval=_bwd_abstract,
-                              batching_rule=_bwd_batch)
+                              batching_rule=_bwd_batch, sharding=BWD_RULES)
 
 
 # --------------------------------------------------------- implementations ---
@@ -158,14 +187,15 @@ relu_bwd_p = define_primitive("relu_bwd", stage="bwd", op_of=_op_of, abstract_ev
 def _pallas_fwd(x, z, *, has_z, config, interpret):
     if x.size == 0:
         return _fwd_reference(x, z, has_z=has_z)
-    return pallas_relu.relu_fwd(x, z if has_z else None, config=config, interpret=interpret)
+    y, mask = pallas_relu.relu_fwd(x, z if has_z else None, config=config, interpret=interpret)
+    return y, mask.reshape(mask_shape(x.shape))
 
 
 def _pallas_bwd(dy, mask, *, has_z, config, interpret):
     del has_z
     if dy.size == 0:
         return (dy,)
-    return (pallas_relu.relu_bwd(dy, mask, config=config, interpret=interpret),)
+    return (pallas_relu.relu_bwd(dy, mask.reshape(-1), config=config, interpret=interpret),)
 
 
 def _pallas_configs(q):
@@ -185,11 +215,11 @@ def _user_lowerings(op):
         def fwd(x, z, *, has_z, config):
             kw = {"config": config} if tunable else {}
             y = jnp.asarray(fn(x, z, **kw) if has_z else fn(x, **kw)).astype(x.dtype).reshape(x.shape)
-            return y, pack_bits(y > 0)
+            return y, pack_bits(y > 0).reshape(mask_shape(x.shape))
 
         def bwd(dy, mask, *, has_z, config):
             kw = {"config": config} if tunable else {}
-            return (jnp.asarray(backward(dy, mask, **kw)).astype(dy.dtype).reshape(dy.shape),)
+            return (jnp.asarray(backward(dy, mask.reshape(-1), **kw)).astype(dy.dtype).reshape(dy.shape),)
 
         return user_lowerings(fwd, bwd if backward is not None else None)
     return adapt
@@ -202,8 +232,9 @@ def _register_builtins():
             supports=lambda q: True, description="plain jax.numpy (bit packing by a reduction)"))
         registry.add(registry.Implementation(
             op, "cuda",
-            {"fwd": ffi_lowering("jax_ops_relu_fwd", lambda p: {"has_z": bool(p["has_z"])}),
-             "bwd": ffi_lowering("jax_ops_relu_bwd", lambda p: {})},
+            {"fwd": ffi_lowering("jax_ops_relu_fwd", lambda p: {"has_z": bool(p["has_z"])},
+                                 flat_results=(1,)),
+             "bwd": ffi_lowering("jax_ops_relu_bwd", lambda p: {}, flat_operands=(1,))},
             supports=ffi_supports("jax_ops_relu_fwd"),
             description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
         registry.add(registry.Implementation(
@@ -270,4 +301,5 @@ def add_relu(x, z, *, implementation: str | None = None):
     check_z("add_relu", x, z)
     if z.shape != x.shape:
         z = jnp.broadcast_to(z, x.shape)
-    return _relu(*match_varying(x, z), True, implementation or registry.override_for("add_relu"))
+    x, z = match_vma(x, z)
+    return _relu(x, z, True, implementation or registry.override_for("add_relu"))

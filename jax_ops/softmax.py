@@ -33,8 +33,9 @@ import numpy as np
 from jax import core
 
 from jax_ops import registry
+from jax_ops.sharding import Rules
 from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, match_varying, ffi_supports, jnp_lowering, pallas_lowering,
+from jax_ops.primitive import (define_primitive, ffi_supports, jnp_lowering, match_vma, pallas_lowering,
                                pallas_supports, user_lowerings)
 from pallas_kernels import softmax as pallas_softmax
 
@@ -162,7 +163,13 @@ def _fwd_abstract(x, mask, *, axis, scale, log, causal, mask_kind, implementatio
     return (core.ShapedArray(x.shape, x.dtype),)
 
 
-def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind):
+def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind, reduce=None, causal_at=None):
+    """reduce(kind, a): a's max/sum over the softmax axis (keepdims), psum'ed/pmax'ed
+    over devices when that axis is sharded; causal_at: the global (row, column) indices
+    of x's last two axes (broadcastable), when x holds a shard of them."""
+    if reduce is None:
+        def reduce(kind, a):
+            return (jnp.max if kind == "max" else jnp.sum)(a, axis=axis, keepdims=True)
     z = x.astype(jnp.float32)
     if scale != 1.0:
         z = z * scale
@@ -173,18 +180,23 @@ def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind):
         z = z + mask.astype(jnp.float32)
     if causal:
         q, offset = _causal_dims(x.shape)
-        tri = jnp.arange(x.shape[-1])[None, :] <= jnp.arange(q)[:, None] + offset
+        if causal_at is None:
+            rows, cols = jnp.arange(q)[:, None], jnp.arange(x.shape[-1])[None, :]
+        else:
+            (rows, cols), (q, k) = causal_at
+            offset = k - q
+        tri = cols <= rows + offset
         keep = tri if keep is None else keep & tri
     if keep is not None:
         z = jnp.where(keep, z, -jnp.inf)
     # Empty (fully masked) rows from the max, not from the sum: XLA fuses this form
     # into one kernel (measured on the H100: testing the sum took two, at half speed).
     # jnp.max propagates NaN, so a NaN still reaches its whole row.
-    m = jnp.max(z, axis=axis, keepdims=True)
+    m = reduce("max", z)
     empty = m == -jnp.inf
     m = jnp.where(empty, 0.0, m)
     e = jnp.exp(z - m)
-    s = jnp.sum(e, axis=axis, keepdims=True)
+    s = reduce("sum", e)
     if log:  # (z - m) - log s: z - (m + log s) would round log s away when |m| is large
         y = jnp.where(empty, -jnp.inf, (z - m) - jnp.log(s))
     else:
@@ -219,9 +231,61 @@ def _variant(params):
     return ""
 
 
+# ---------------------------------------------------------------- sharding ---
+# Rows (every axis but the softmax axis) sharded: the kernel runs on each device's
+# rows. The softmax axis sharded: per-device max and sum-exp, pmax/psum over its mesh
+# axes (O(rows) data), the local columns normalized (jnp). Causal with the query or key
+# axis sharded: jnp with the shard's global row/column offsets.
+
+def _needs_local(layout, params):
+    if layout.col_axes:
+        return True
+    return bool(params.get("causal")) and bool(layout.dims[-2] or layout.dims[-1])
+
+
+def _reducer(layout, axis):
+    def reduce(kind, a):
+        if kind == "max":
+            r = jnp.max(a, axis=axis, keepdims=True)
+            return jax.lax.pmax(r, layout.col_axes) if layout.col_axes else r
+        r = jnp.sum(a, axis=axis, keepdims=True)
+        return jax.lax.psum(r, layout.col_axes) if layout.col_axes else r
+    return reduce
+
+
+def _global_index(layout, dim, local):
+    """The global indices of this device's `local` entries of x's dim `dim`."""
+    i = jnp.arange(local)
+    if layout.dims[dim]:
+        i = i + jax.lax.axis_index(layout.dims[dim]) * local
+    return i
+
+
+def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, implementation):
+    causal_at = None
+    if causal:
+        nd = x.ndim
+        rows = _global_index(layout, nd - 2, x.shape[-2])[:, None]
+        cols = _global_index(layout, nd - 1, x.shape[-1])[None, :]
+        causal_at = ((rows, cols), (layout.shape[-2], layout.shape[-1]))
+    return _fwd_reference(x, mask, axis=axis, scale=scale, log=log, causal=causal,
+                          mask_kind=mask_kind, reduce=_reducer(layout, axis), causal_at=causal_at)
+
+
+def _bwd_local(layout, mesh, y, dy, *, axis, scale, log, implementation):
+    reduce = _reducer(layout, axis)
+    return ((scale * _logit_grad(y, dy, axis, log, lambda a: reduce("sum", a))).astype(y.dtype),)
+
+
+FWD_RULES = Rules(ins=lambda p: ("x", "bmask"), outs=lambda p: ("x",), axis=lambda p: p["axis"],
+                  needs_local=_needs_local, local=_fwd_local)
+BWD_RULES = Rules(ins=lambda p: ("x", "x"), outs=lambda p: ("x",), axis=lambda p: p["axis"],
+                  needs_local=lambda layout, p: bool(layout.col_axes), local=_bwd_local)
+
+
 softmax_fwd_p = define_primitive("softmax_fwd", stage="fwd", op_of=_op_of,
                                  abstract_eval=_fwd_abstract, batching_rule=_fwd_batch,
-                                 variant_of=_variant, shape_of=_query_shape)
+                                 variant_of=_variant, shape_of=_query_shape, sharding=FWD_RULES)
 
 
 # --------------------------------------------------------------- backward ---
@@ -233,14 +297,18 @@ def _bwd_abstract(y, dy, *, axis, scale, log, implementation):
     return (core.ShapedArray(y.shape, y.dtype),)
 
 
-def _logit_grad(y, dy, axis, log):
-    """dz (float32): the gradient of the logits, from y and dy."""
+def _logit_grad(y, dy, axis, log, reduce_sum=None):
+    """dz (float32): the gradient of the logits, from y and dy; reduce_sum(a): a's sum
+    over the softmax axis (keepdims), psum'ed when that axis is sharded."""
+    if reduce_sum is None:
+        def reduce_sum(a):
+            return jnp.sum(a, axis=axis, keepdims=True)
     yf, dyf = y.astype(jnp.float32), dy.astype(jnp.float32)
     if log:
         live = yf != -jnp.inf
-        dot = jnp.sum(jnp.where(live, dyf, 0.0), axis=axis, keepdims=True)
+        dot = reduce_sum(jnp.where(live, dyf, 0.0))
         return jnp.where(live, dyf - jnp.exp(yf) * dot, 0.0)
-    dot = jnp.sum(dyf * yf, axis=axis, keepdims=True)
+    dot = reduce_sum(dyf * yf)
     return yf * (dyf - dot)
 
 
@@ -258,7 +326,7 @@ def _bwd_batch(args, dims, **params):
 
 softmax_bwd_p = define_primitive("softmax_bwd", stage="bwd", op_of=_op_of,
                                  abstract_eval=_bwd_abstract, batching_rule=_bwd_batch,
-                                 variant_of=_variant, shape_of=_query_shape)
+                                 variant_of=_variant, shape_of=_query_shape, sharding=BWD_RULES)
 
 
 # --------------------------------------------------------- implementations ---
@@ -428,7 +496,8 @@ def _call(op, x, axis, scale, mask, causal, implementation):
     if x.shape[axis] == 0 or x.size == 0:  # nothing to normalize
         return jnp.zeros(x.shape, x.dtype)
     implementation = implementation or registry.override_for(op)
-    x, mask = match_varying(x, mask)
+    if mask is not None and mask.dtype != jnp.bool_:
+        x, mask = match_vma(x, mask)
     return _softmax(x, mask, axis, scale, op == "log_softmax", bool(causal), implementation)
 
 

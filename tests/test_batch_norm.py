@@ -64,7 +64,7 @@ def assert_close(name, out, ref, tol):
 
 
 def bits_of(mask, n):
-    m = np.asarray(mask, np.uint32)
+    m = np.asarray(mask, np.uint32).reshape(-1)  # words in flat order, whatever the shape
     bits = ((m[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(bool).reshape(-1)
     return bits[:n], bits[n:]
 

@@ -44,7 +44,7 @@ def make(rng, shape, dtype, spread=2.0):
 
 def bits_of(mask, n):
     """uint32 words -> (bool array of n flat bits, the bits past n)."""
-    m = np.asarray(mask, np.uint32)
+    m = np.asarray(mask, np.uint32).reshape(-1)  # words in flat order, whatever the shape
     bits = ((m[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(bool).reshape(-1)
     return bits[:n], bits[n:]
 
@@ -71,7 +71,9 @@ def test_forward_and_mask_bits(shape, op, dtype, impl):
     y, mask = jax.jit(lambda x, z: run_fwd(op, x, z, impl))(x, z)
     n = int(np.prod(shape))
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert mask.dtype == jnp.uint32 and mask.shape == (-(-n // 32),)
+    # x's shape with the last axis in words when it is a whole number of them, else flat
+    want = tuple(shape[:-1]) + (shape[-1] // 32,) if shape and shape[-1] % 32 == 0 and shape[-1] else (-(-n // 32),)
+    assert mask.dtype == jnp.uint32 and mask.shape == want
     pre = pre_f32(op, x, z)
     ref = np.maximum(pre.astype(np.float64), 0.0)
     out = np.asarray(y, np.float64)
