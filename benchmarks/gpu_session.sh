@@ -78,6 +78,9 @@ for step in $steps; do
     # Flax layers and examples (issue 6): the layer tests on the GPU, then train-step times
     tests-nn) python3 -m pytest tests/test_nn.py tests/test_examples.py -q -n 4 -p no:cacheprovider 2>&1 | tee "$L/tests_nn.txt" | tail -15 ;;
     step-time) python3 benchmarks/step_time.py --out "$L/step_time.json" ${STEP_ARGS:-} 2>&1 | tee "$L/step_time.txt" | tail -40 ;;
+    # Issue 7 on several GPUs: batch- and hidden-sharded ops vs one GPU; export on the GPU
+    sharding-gpu) python3 benchmarks/sharding_gpu.py --out "$L/sharding.json" 2>&1 | tee "$L/sharding.txt" | tail -20 ;;
+    tests-export) python3 -m pytest tests/test_export.py -q -p no:cacheprovider 2>&1 | tee "$L/tests_export.txt" | tail -5 ;;
     env) ;;
     *) echo "unknown step $step" ;;
   esac
