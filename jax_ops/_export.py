@@ -14,10 +14,16 @@ def custom_call_targets() -> list[str]:
     return sorted(set().union(*_extension.REGISTERED.values())) if _extension.REGISTERED else []
 
 
+#: the custom call our Pallas kernels lower to on GPUs (Triton back end); exported with
+#: static shapes, it carries the compiled kernel, with no compatibility guarantee either
+PALLAS_TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
 def disabled_checks() -> list:
-    """jax.export safety checks to disable for our custom calls: pass these as
-    jax.export.export(..., disabled_checks=jax_ops.export.disabled_checks())."""
-    return [_jax_export.DisabledSafetyCheck.custom_call(t) for t in custom_call_targets()]
+    """jax.export safety checks to disable for our custom calls (the FFI targets and the
+    Pallas/Triton one): pass these as jax.export.export(..., disabled_checks=...)."""
+    return [_jax_export.DisabledSafetyCheck.custom_call(t)
+            for t in (*custom_call_targets(), PALLAS_TRITON_TARGET)]
 
 
 def export(fn: Callable, *args, platforms: Sequence[str] | None = None,

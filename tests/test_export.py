@@ -55,11 +55,13 @@ def test_export_symbolic_batch(name, impl):
         args = [jax.random.normal(jax.random.key(i), tuple(n if d is B else d for d in s))
                 for i, s in enumerate(shapes)]
         got, want = back.call(*args), jax.jit(g)(*args)
+        # exact on CPU; on a GPU the symbolic-shape export may run another kernel (or
+        # grid) than the static-shape call, so float32 sums differ in the last bits
         for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=2e-6)
         fwd = export.deserialize(jax_ops.export(f, *specs).serialize()).call(*args)
         for u, v in zip(jax.tree.leaves(fwd), jax.tree.leaves(jax.jit(f)(*args))):
-            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=2e-6)
 
 
 def test_export_pallas_needs_static_shapes():
