@@ -95,13 +95,15 @@ def bn_relu(x, z, scale, bias, *, training: bool, mean, var, epsilon: float, out
 
 
 def attention(query, key, value, bias, mask, *, causal: bool, dtype, sow=None,
-              force_fp32_for_softmax: bool = False, dropout=None, precision=None):
+              force_fp32_for_softmax: bool = False, precision=None, dropout_rng=None,
+              dropout_rate: float = 0.0, broadcast_dropout: bool = True,
+              deterministic: bool = True):
     """softmax(q·kᵀ/√d + bias, masked) · v with our softmax: the 1/√d scale, the boolean
     mask (broadcast, never materialized) and the causal limit are applied inside the
     kernel. q, k, v: [batch..., length, heads, depth], already of one dtype.
 
-    `dropout(weights) -> weights` applies attention dropout, `sow(weights)` records
-    them. Differences from flax: a fully masked row gets all-zero weights (flax: uniform
+    Attention dropout is flax's (unless `deterministic` or rate 0); `sow(weights)`
+    records the weights. Differences from flax: a fully masked row gets all-zero weights (flax: uniform
     over the row), and the scale multiplies the float32 logits instead of q."""
     scale = float(query.shape[-1]) ** -0.5
     logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
@@ -116,8 +118,10 @@ def attention(query, key, value, bias, mask, *, causal: bool, dtype, sow=None,
         weights = weights.astype(dtype)
     if sow is not None:
         sow(weights)
-    if dropout is not None:
-        weights = dropout(weights)
+    if not deterministic and dropout_rate > 0.0:
+        weights = dropout_weights(weights, rng=dropout_rng, rate=dropout_rate,
+                                  broadcast=broadcast_dropout, dtype=dtype,
+                                  batch_ndim=key.ndim - 2)
     return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
 
 

@@ -152,16 +152,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
             attn_weights_value_einsum=attn_weights_value_einsum)
     query, key, value = flax_dtypes.promote_dtype(query, key, value, dtype=dtype)
     dtype = query.dtype
-    dropout = None
-    if not deterministic and dropout_rate > 0.0:
-        def dropout(w):
-            return _flax.dropout_weights(w, rng=dropout_rng, rate=dropout_rate,
-                                         broadcast=broadcast_dropout, dtype=dtype,
-                                         batch_ndim=key.ndim - 2)
     sow = None
     if module is not None:
         def sow(w):
             module.sow("intermediates", "attention_weights", w)
     return _flax.attention(query, key, value, bias, mask, causal=False, dtype=dtype, sow=sow,
                            force_fp32_for_softmax=force_fp32_for_softmax and dtype != jnp.float32,
-                           dropout=dropout, precision=precision)
+                           precision=precision, dropout_rng=dropout_rng,
+                           dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+                           deterministic=deterministic)

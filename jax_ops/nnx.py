@@ -121,15 +121,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                                          dropout_rng, dropout_rate, deterministic, dtype,
                                          precision, module, promote_dtype, is_causal)
     dtype = query.dtype
-    dropout = None
-    if not deterministic and dropout_rate > 0.0:
-        def dropout(w):
-            return _flax.dropout_weights(w, rng=dropout_rng, rate=dropout_rate,
-                                         broadcast=broadcast_dropout, dtype=dtype,
-                                         batch_ndim=key.ndim - 2)
     sow = None
     if module is not None:
         def sow(w):
             module.sow(nnx.Intermediate, "attention_weights", w)
     return _flax.attention(query, key, value, bias, mask, causal=is_causal, dtype=dtype, sow=sow,
-                           dropout=dropout, precision=precision)
+                           precision=precision, dropout_rng=dropout_rng,
+                           dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+                           deterministic=deterministic)
