@@ -287,10 +287,6 @@ ffi::Error BnReluBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
 
-ffi::Error cuda_status(cudaError_t err, const char* what) {
-  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
-}
-
 ffi::Error BnReluFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer z, ffi::AnyBuffer scale,
                          ffi::AnyBuffer bias, ffi::AnyBuffer mean_in, ffi::AnyBuffer var_in,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mask,

@@ -4,6 +4,10 @@
 #include <type_traits>
 #include "cuda_src/common.h"
 #include "xla/ffi/api/ffi.h"
+#ifdef JAX_OPS_WITH_CUDA
+#include <cuda_runtime.h>
+#include "cuda_src/cuda_utils.cuh"  // cuda_error_message
+#endif
 
 namespace jax_ops {
 namespace ffi = xla::ffi;
@@ -112,5 +116,12 @@ ffi::Error dispatch_activation(ffi::DataType t, const char* name, Fn&& fn) {
                                          "; expected float32, bfloat16 or float16");
   }
 }
+
+#ifdef JAX_OPS_WITH_CUDA
+// A CUDA return code as the handler's result: Internal error naming the failed step.
+inline ffi::Error cuda_status(cudaError_t err, const char* what) {
+  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
+}
+#endif
 
 }  // namespace jax_ops

@@ -27,7 +27,7 @@ ffi::Error DeviceCopyCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi
   ffi::Error e = check_copy(x, *y);
   if (e.failure()) return e;
   const cudaError_t err = launch_device_copy(x.untyped_data(), y->untyped_data(), int64_t(x.size_bytes()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message("device_copy", err));
+  return cuda_status(err, "device_copy");
 }
 #endif
 

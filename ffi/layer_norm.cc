@@ -219,10 +219,6 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, 
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
 
-ffi::Error cuda_status(cudaError_t err, const char* what) {
-  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
-}
-
 ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
                        ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {

@@ -80,10 +80,6 @@ ffi::Error ReluBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer mask, ffi::Result<ffi::A
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
 
-ffi::Error cuda_status(cudaError_t err, const char* what) {
-  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
-}
-
 ffi::Error ReluFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer z, ffi::Result<ffi::AnyBuffer> y,
                        ffi::Result<ffi::AnyBuffer> mask, bool has_z) {
   auto args = fwd_args(x, z, *y, *mask, has_z);

@@ -169,10 +169,6 @@ ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::A
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
 
-ffi::Error cuda_status(cudaError_t err, const char* what) {
-  return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));
-}
-
 ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> y,
                           float scale, bool log, bool causal, bool has_mask, ffi::Span<const int64_t> mask_map) {
   auto args = fwd_args(x, mask, *y, scale, log, causal, has_mask, mask_map);
