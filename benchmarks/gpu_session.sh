@@ -81,6 +81,10 @@ for step in $steps; do
     # Issue 7 on several GPUs: batch- and hidden-sharded ops vs one GPU; export on the GPU
     sharding-gpu) python3 benchmarks/sharding_gpu.py --out "$L/sharding.json" 2>&1 | tee "$L/sharding.txt" | tail -20 ;;
     tests-export) python3 -m pytest tests/test_export.py -q -p no:cacheprovider 2>&1 | tee "$L/tests_export.txt" | tail -5 ;;
+    # Per-kernel CUPTI times: BREAKDOWN="op:dtype:rows:cols ..." (IMPLS: implementations)
+    breakdown) for spec in ${BREAKDOWN:-batch_norm_relu:f32:200704:32}; do IFS=: read -r op dt r c <<< "$spec"
+        python3 benchmarks/kernel_breakdown.py $op $dt $r $c ${IMPLS:-cuda pallas xla flax} 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee -a "$L/breakdown.txt"
+        done ;;
     env) ;;
     *) echo "unknown step $step" ;;
   esac
