@@ -32,12 +32,14 @@ bench() {  # bench <name> <ops> <args...>: jax_ops.bench per op, fwd/fwd_bwd/bwd
   done
 }
 NORMS=layer_norm,rms_norm
-SOFTMAX=softmax,log_softmax
+SOFTMAX=${SOFTMAX_OPS:-softmax,log_softmax}
 
 for step in $steps; do
   t0=$SECONDS
   case $step in
     tests) python3 -m pytest tests -q -n 4 -p no:cacheprovider 2>&1 | tee "$L/tests.txt" | tail -15 ;;
+    # Some test files only: TESTS="tests/test_softmax.py ..."
+    tests-some) python3 -m pytest ${TESTS:-tests/test_softmax.py} -q -n 8 -p no:cacheprovider 2>&1 | tee -a "$L/tests_some.txt" | tail -8 ;;
     check) python3 benchmarks/sanitize_norm.py 2>&1 | tail -20 | tee "$L/check.txt"
            IMPL=pallas python3 benchmarks/sanitize_norm.py 2>&1 | tail -20 | tee -a "$L/check.txt" ;;
     # Under the sanitizers XLA's compiles crawl: a few shapes, one per kernel tier.
