@@ -71,10 +71,10 @@ for step in $steps; do
     racecheck-relu-bn) timeout 200 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_relu_bn.py 4099 33,256 2>&1 | tail -8 | tee "$L/racecheck_relu_bn.txt" ;;
     # relu/add_relu at 100-400 MB bf16 tensors; BatchNorm at the issue's ResNet shapes
     bench-relu) python3 -m jax_ops.bench --op relu,add_relu --rows 49152 --cols ${RELU_COLS:-1024,4096} --dtype ${RELU_DTYPE:-bf16} \
-        --mode fwd,fwd_bwd,bwd --impl cuda,pallas,xla,auto,jnp --max-sets 48 --check --table "$table" --json "$L/relu.json" 2>&1 | tee "$L/relu.txt" | grep -v "K=" | tail -60; cp "$table" "$L/" ;;
+        --mode ${RELU_MODES:-fwd,fwd_bwd,bwd} --impl cuda,pallas,xla,auto,jnp --max-sets 48 --check --table "$table" --json "$L/relu${RELU_TAG:-}.json" 2>&1 | tee "$L/relu${RELU_TAG:-}.txt" | grep -v "K=" | tail -60; cp "$table" "$L/" ;;
     bench-bn) for dt in ${BN_DTYPES:-f32 bf16}; do for shape in ${BN_SHAPES:-200704:32 401408:256}; do
         python3 -m jax_ops.bench --op batch_norm_relu,batch_norm_add_relu --rows ${shape%%:*} --cols ${shape##*:} --dtype $dt \
-          --mode fwd,fwd_bwd,bwd --impl cuda,pallas,xla,auto,flax --max-sets 8 --check --table "$table" --json "$L/bn_${dt}_${shape%%:*}.json" 2>&1 | tee "$L/bn_${dt}_${shape%%:*}.txt" | grep -v "K=" | tail -40
+          --mode ${BN_MODES:-fwd,fwd_bwd,bwd} --impl cuda,pallas,xla,auto,flax --max-sets 8 --check --table "$table" --json "$L/bn${BN_TAG:-}_${dt}_${shape%%:*}.json" 2>&1 | tee "$L/bn${BN_TAG:-}_${dt}_${shape%%:*}.txt" | grep -v "K=" | tail -40
         done; done; cp "$table" "$L/" ;;
     memory-relu-bn) python3 benchmarks/memory_relu_bn.py 2>&1 | tee "$L/memory.txt" ;;
     # Flax layers and examples (issue 6): the layer tests on the GPU, then train-step times

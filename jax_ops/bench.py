@@ -47,6 +47,10 @@ Modes ("--mode"), per input set (x, params, dy):
   bwd      vjp_fn is made beforehand (a jitted jax.vjp); only vjp_fn(dy) is timed. The
            residuals are whatever the implementation saves (autodiff baselines may
            save float32 intermediates and so read more than the minimum below).
+  fwd_res  y, vjp_fn = jax.vjp(op, x, *params), returning both: the forward of a training
+           step, which writes the residuals the backward keeps (jax.nn.relu: a bool
+           per element; ours: 1 bit). fwd + bwd understates the baselines' training
+           cost where their plain forward writes no residual; fwd_res + bwd does not.
 
 Minimum bytes per call ("min_bytes"; effective GB/s = min_bytes / time). With
   X = rows * cols * itemsize(x)      one activation-sized array (x, y, dy or dx)
@@ -122,7 +126,7 @@ import jax_ops  # registers the FFI targets, jax_ops_device_copy included
 
 IMPLS = ("cuda", "pallas", "xla", "auto", "flax", "jnp")
 KERNEL_IMPLS = ("cuda", "pallas", "xla")  # what the automatic choice picks among
-MODES = ("fwd", "fwd_bwd", "bwd")
+MODES = ("fwd", "fwd_bwd", "bwd", "fwd_res")
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 EPSILON = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # jax_ops' defaults, used by every impl
 MB, GB = 1 << 20, 1 << 30
@@ -450,8 +454,10 @@ def num_params(op: str) -> int:
 
 
 def min_bytes(op: str, mode: str, rows: int, cols: int, itemsize: int) -> int:
-    """The op's minimum DRAM traffic per call; see the module docstring."""
-    return SPECS[op].nbytes(rows, cols, itemsize)[mode]
+    """The op's minimum DRAM traffic per call; see the module docstring. fwd_res (the
+    training forward) counts the forward's floor: our forwards write their residuals
+    (mask, statistics) in any case."""
+    return SPECS[op].nbytes(rows, cols, itemsize)["fwd" if mode == "fwd_res" else mode]
 
 
 @functools.cache
@@ -493,13 +499,15 @@ def per_set_fn(fn: Callable, mode: str, diff_params: bool = True) -> Callable:
         return fwd_bwd
     if mode == "bwd":
         return lambda vjp_fn, dy: vjp_fn(dy)
+    if mode == "fwd_res":  # the forward of a training step: y and what the VJP keeps
+        return lambda x, params: _vjp(fn, x, params, diff_params)
     raise ValueError(f"unknown mode {mode!r}")
 
 
 def mode_args(fn: Callable, mode: str, sets: Sequence[tuple],
               diff_params: bool = True) -> list[tuple]:
     """Arguments of per_set_fn for each set; for "bwd" this runs the forward (jax.vjp)."""
-    if mode == "fwd":
+    if mode in ("fwd", "fwd_res"):
         return [(x, params) for x, params, _ in sets]
     if mode == "fwd_bwd":
         return [(x, params, dy) for x, params, dy in sets]
@@ -701,7 +709,7 @@ def bench_shape(cfg, op: str, dtype_name: str, cols: int, timer: Callable) -> li
     records = []
     try:
         sets = make_sets(op, dtype, cfg.rows, cols, max(ks.values()),
-                         with_dy=any(m != "fwd" for m in cfg.modes), seed=cfg.seed)
+                         with_dy=any(m not in ("fwd", "fwd_res") for m in cfg.modes), seed=cfg.seed)
     except Exception as e:  # noqa: BLE001
         for m in cfg.modes:
             records.append(Record(op, m, dtype_name, cfg.rows, cols, "inputs", cfg.timer,
