@@ -15,6 +15,8 @@ COLS = [int(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
     1, 2, 3, 31, 32, 33, 127, 129, 1000, 1024, 1025, 2048, 4096, 5000, 8192, 8193, 16384,
     16385, 32768, 65536]
 IMPL = os.environ.get("IMPL", "cuda")
+# QUICK=1 (for racecheck, where every XLA compile crawls): bfloat16, plain and bool mask only
+QUICK = os.environ.get("QUICK") == "1"
 if IMPL == "pallas":
     from pallas_kernels.softmax import MAX_COLS
     COLS = [c for c in COLS if c <= MAX_COLS]
@@ -37,7 +39,7 @@ worst = 0.0
 for cols in COLS:
     rows = 4 if cols > 8192 else 24
     q = 4
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in (jnp.bfloat16,) if QUICK else (jnp.float32, jnp.bfloat16):
         k = jax.random.split(jax.random.key(cols), 4)
         x = (jax.random.normal(k[0], (rows // q, q, cols)) * 3).astype(dtype)
         dy = jax.random.normal(k[1], x.shape).astype(dtype)
@@ -45,6 +47,8 @@ for cols in COLS:
         bias = jnp.where(jax.random.bernoulli(k[3], 0.9, (q, cols)), 0.5, -jnp.inf)
         cases = {"plain": {}, "scaled": {"scale": 0.125}, "bool mask": {"mask": pad},
                  "additive mask": {"mask": bias}, "causal": {"causal": True}}
+        if QUICK:
+            cases = {k: cases[k] for k in ("plain", "bool mask")}
         for name, kw in cases.items():
             for fn in (jax_ops.softmax, jax_ops.log_softmax):
                 got, ref = run(IMPL, fn, x, dy, kw), run("xla", fn, x, dy, kw)
