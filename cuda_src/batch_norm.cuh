@@ -381,8 +381,11 @@ __global__ void __launch_bounds__(kElemThreads) dx_kernel(BwdArgs a, WarpTiles p
 
 // Column tiles of at most kMaxTilePacks packs, TY rows of threads (TX·TY <= 256), and
 // P' row chunks so that about kColBlocksPerSm blocks per multiprocessor run in all.
+// Chunks are whole rounds of U·TY rows (U rows in flight per thread): a partial round
+// runs row by row, one load at a time (measured at C = 32 f32: 380-row chunks, i.e. two
+// rounds and up to four single rows per thread).
 template <typename Kernel>
-cudaError_t plan_columns(Kernel kernel, int floats_per_thread, int64_t rows, int64_t cols, int pack,
+cudaError_t plan_columns(Kernel kernel, int floats_per_thread, int64_t rows, int64_t cols, int pack, int unroll,
                          int64_t work_parts, ColumnGrid* g, size_t* smem) {
   g->rows = rows;
   g->cols = cols;
@@ -403,8 +406,9 @@ cudaError_t plan_columns(Kernel kernel, int floats_per_thread, int64_t rows, int
   const int64_t max_parts = work_parts < rows ? work_parts : rows;
   parts = parts > max_parts ? max_parts : parts;
   parts = parts < 1 ? 1 : parts;
-  g->chunk_rows = (rows + parts - 1) / parts;
-  g->parts = (rows + g->chunk_rows - 1) / g->chunk_rows;  // no empty chunks
+  const int64_t round_rows = int64_t(unroll) * g->ty;
+  g->chunk_rows = ((rows + parts - 1) / parts + round_rows - 1) / round_rows * round_rows;
+  g->parts = (rows + g->chunk_rows - 1) / g->chunk_rows;  // no empty chunks, parts <= before
   return cudaSuccess;
 }
 
@@ -428,7 +432,7 @@ cudaError_t launch_stats_partials(const FwdArgs& a, int64_t* parts, cudaStream_t
   auto kernel = stats_partials_kernel<T, PACK, U>;
   ColumnGrid g;
   size_t smem = 0;
-  cudaError_t err = plan_columns(kernel, 2 * PACK + 1, a.rows, a.cols, PACK, a.work_parts, &g, &smem);
+  cudaError_t err = plan_columns(kernel, 2 * PACK + 1, a.rows, a.cols, PACK, U, a.work_parts, &g, &smem);
   if (err != cudaSuccess) return err;
   kernel<<<column_grid_dims(g), dim3(unsigned(g.tx), unsigned(g.ty)), smem, stream>>>(
       static_cast<const T*>(a.x), g, a.work);
@@ -474,7 +478,7 @@ cudaError_t launch_grad_partials(const BwdArgs& a, int64_t* parts, cudaStream_t 
   auto kernel = grad_partials_kernel<T, PACK, U>;
   ColumnGrid g;
   size_t smem = 0;
-  cudaError_t err = plan_columns(kernel, 2 * PACK, a.rows, a.cols, PACK, a.work_parts, &g, &smem);
+  cudaError_t err = plan_columns(kernel, 2 * PACK, a.rows, a.cols, PACK, U, a.work_parts, &g, &smem);
   if (err != cudaSuccess) return err;
   kernel<<<column_grid_dims(g), dim3(unsigned(g.tx), unsigned(g.ty)), smem, stream>>>(
       static_cast<const T*>(a.dy), static_cast<const T*>(a.x), a.mask, a.mean, a.rstd, g, a.work);
