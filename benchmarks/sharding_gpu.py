@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ops
 from jax_ops.bench import git_commit
+from jax_ops.tuning import wall_seconds
 
 _COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
                    r"reduce-scatter)(?:-start)?\(")
@@ -64,13 +65,7 @@ def rel_err(a, b) -> float:
 
 
 def wall_ms(fn, *args, reps: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return statistics.median(wall_seconds(lambda a: fn(*a), args, reps)) * 1e3
 
 
 def main():

@@ -115,7 +115,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -123,6 +122,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_ops  # registers the FFI targets, jax_ops_device_copy included
+from jax_ops.tuning import wall_seconds
 
 IMPLS = ("cuda", "pallas", "xla", "auto", "flax", "jnp")
 KERNEL_IMPLS = ("cuda", "pallas", "xla")  # what the automatic choice picks among
@@ -560,17 +560,7 @@ def device_copy(a):
 
 # ---------------------------------------------------------------- timers ----
 
-def wall_timer(f: Callable, args, repeats: int) -> list[float]:
-    """Seconds per call: wall clock after a warm-up (compiling) call."""
-    jax.block_until_ready(f(args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = f(args)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        del out
-    return times
+wall_timer = wall_seconds  # seconds per call of f(args), after a warm-up (compiling) call
 
 
 def cupti_timer(f: Callable, args, repeats: int) -> list[float]:

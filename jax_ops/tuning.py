@@ -89,6 +89,19 @@ def _operands(avals, seed: int):
     return out
 
 
+def wall_seconds(f: Callable, args, repeats: int) -> list[float]:
+    """Seconds per call of f(args): wall clock after a warm-up (compiling) call."""
+    jax.block_until_ready(f(args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = f(args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+        del out
+    return times
+
+
 def _timer(platform: str) -> Callable:
     if platform == "cuda":
         try:
@@ -102,13 +115,7 @@ def _timer(platform: str) -> Callable:
             pass
 
     def wall(compiled, ops, repeats):
-        jax.block_until_ready(compiled(*ops))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*ops))
-            times.append((time.perf_counter() - t0) * 1e6)
-        return times
+        return [t * 1e6 for t in wall_seconds(lambda o: compiled(*o), ops, repeats)]
     return wall
 
 

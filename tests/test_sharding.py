@@ -32,6 +32,15 @@ def need(op, impl):
     _need(op, impl)
 
 
+def case_mesh(op, impl, mesh_name, pallas_here=None):
+    """The mesh of a parametrized case; skips what this build lacks, and interpreted
+    Pallas (slow on CPU) except where pallas_here (default: on the 4x2 mesh)."""
+    need(op, impl)
+    if impl == "pallas" and not (mesh_name == "4x2" if pallas_here is None else pallas_here):
+        pytest.skip("pallas (interpreted on CPU): one mesh")
+    return mesh_of(mesh_name)
+
+
 # ------------------------------------------------------------ HLO checks ---
 
 _COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
@@ -119,10 +128,7 @@ NORM_CASES = [
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("mesh_name,spec,what", NORM_CASES, ids=lambda v: str(v))
 def test_norms(mesh_name, spec, what, op, impl):
-    need(op, impl)
-    if impl == "pallas" and mesh_name != "4x2":
-        pytest.skip("pallas (interpreted on CPU): one mesh")
-    mesh = mesh_of(mesh_name)
+    mesh = case_mesh(op, impl, mesh_name)
     B, S, H = 16, 4, 64
     x, scale, bias = rnd((B, S, H), 0), 1 + 0.1 * rnd((H,), 1), 0.1 * rnd((H,), 2)
     if op == "layer_norm":
@@ -157,10 +163,7 @@ SOFTMAX_CASES = [
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("mesh_name,spec,causal", SOFTMAX_CASES, ids=lambda v: str(v))
 def test_softmax(mesh_name, spec, causal, op, impl):
-    need(op, impl)
-    if impl == "pallas" and mesh_name != "4x2":
-        pytest.skip("pallas (interpreted on CPU): one mesh")
-    mesh = mesh_of(mesh_name)
+    mesh = case_mesh(op, impl, mesh_name)
     x = rnd((8, 4, 16, 32), 3)
     keep = jax.random.bernoulli(jax.random.key(4), 0.8, (8, 1, 1, 32))
     f = getattr(jax_ops, op)
@@ -187,10 +190,7 @@ RELU_CASES = [
 @pytest.mark.parametrize("op", ["relu", "add_relu"])
 @pytest.mark.parametrize("mesh_name,spec", RELU_CASES, ids=lambda v: str(v))
 def test_relu(mesh_name, spec, op, impl):
-    need(op, impl)
-    if impl == "pallas" and mesh_name != "4x2":
-        pytest.skip("pallas (interpreted on CPU): one mesh")
-    mesh = mesh_of(mesh_name)
+    mesh = case_mesh(op, impl, mesh_name)
     x, z = rnd((8, 4, 256), 5), rnd((8, 4, 256), 6)
     sh = NamedSharding(mesh, spec)
     if op == "relu":
@@ -225,10 +225,8 @@ BN_CASES = [
 @pytest.mark.parametrize("op", ["batch_norm_relu", "batch_norm_add_relu"])
 @pytest.mark.parametrize("mesh_name,spec", BN_CASES, ids=lambda v: str(v))
 def test_batch_norm(mesh_name, spec, op, training, impl):
-    need(op, impl)
-    if impl == "pallas" and (mesh_name != "2x4" or not training or op != "batch_norm_add_relu"):
-        pytest.skip("pallas (interpreted on CPU): one mesh")
-    mesh = mesh_of(mesh_name)
+    mesh = case_mesh(op, impl, mesh_name,
+                     pallas_here=mesh_name == "2x4" and training and op == "batch_norm_add_relu")
     C = 256
     x, z = rnd((8, 4, 4, C), 8), rnd((8, 4, 4, C), 9)
     scale, bias = 1 + 0.1 * rnd((C,), 10), 0.1 * rnd((C,), 11)
