@@ -560,9 +560,6 @@ def device_copy(a):
 
 # ---------------------------------------------------------------- timers ----
 
-wall_timer = wall_seconds  # seconds per call of f(args), after a warm-up (compiling) call
-
-
 def cupti_timer(f: Callable, args, repeats: int) -> list[float]:
     """Seconds per call: CUPTI kernel time of all kernels of one call (measure warms up)."""
     from jax.experimental.mosaic.gpu import profiler
@@ -577,7 +574,7 @@ def cupti_timer(f: Callable, args, repeats: int) -> list[float]:
     return times
 
 
-TIMERS = {"wall": wall_timer, "cupti": cupti_timer}
+TIMERS = {"wall": wall_seconds, "cupti": cupti_timer}  # seconds per call of f(args)
 
 
 # ---------------------------------------------------------------- checks ----
