@@ -1,6 +1,7 @@
 // CUDA-only helpers: vector packs, warp/block reductions, launch geometry.
 #pragma once
 #include <cuda_runtime.h>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -10,7 +11,10 @@ namespace jax_ops {
 
 // PACK elements moved by one (up to 16-byte) load or store.
 template <typename T, int PACK>
-struct alignas(sizeof(T) * PACK) Pack { T v[PACK]; };
+struct alignas(sizeof(T) * PACK) Pack {
+  using value_type = T;
+  T v[PACK];
+};
 
 template <typename T, int PACK>
 __device__ __forceinline__ void load_pack(const T* p, float (&out)[PACK]) {
@@ -125,6 +129,18 @@ cudaError_t dispatch_group_shape(int64_t nvec, Launch&& launch) {
 inline int block_threads(int64_t nvec) {
   const int64_t t = ((nvec + 3) / 4 + 31) / 32 * 32;
   return int(t < 128 ? 128 : (t > 1024 ? 1024 : t));
+}
+
+// A tuning knob from the environment: the integer value of `name`, or `fallback` when
+// it is unset or not an integer. Callers read it once (a function-local static). The
+// defaults are the measured choices; the knobs let the GPU benchmarks measure the
+// alternatives without a rebuild.
+inline int env_knob(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  return *end == '\0' ? int(n) : fallback;
 }
 
 inline std::string cuda_error_message(const char* what, cudaError_t err) {

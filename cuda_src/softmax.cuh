@@ -1,19 +1,25 @@
 // Softmax / LogSoftmax CUDA kernels (forward and backward) and their launchers.
 //
 // Rows are the flattened leading axes; the softmax runs over the last axis.
-// Tiers, by row length (cols), forward and backward alike:
+// Tiers, by row length (cols):
 //   cols <= 1024  : a group of WIDTH lanes (1..32) per row, row in registers (forward:
 //                   about 4 packs a lane, a thread per row for the shortest rows;
 //                   backward: narrow groups take several rows at a time).
-//   cols <= 16384 : a block per row (up to 512 threads; forward about 256), each
-//                   thread holding up to 32 values (16 for unvectorized rows).
-//   longer rows   : a block per row, row cached in shared memory, or read again
-//                   from global memory when shared memory cannot hold it.
-// The forward's register tiers take the row max, then one exp per element against
-// it (kept for softmax), then the sum: two plain reductions, no exps inside them.
-// The long-row tier merges per-pack (max, sum) pairs in its single read pass.
-// Unmasked rows run kernels compiled without the mask/causal tests (MASKED=false);
-// mask kind and log/softmax are runtime, warp-uniform branches.
+//   forward, longer rows: a block per row (about 8 packs a thread, <= 512 threads),
+//                   the row staged in shared memory by cp.async (all of it in flight
+//                   at once), or read twice from global memory when shared memory
+//                   cannot hold it. A block-register tier (the backward's below) is
+//                   kept behind a tuning knob: it measured slower (launchers).
+//   backward, cols <= 16384: a block per row, up to 32 values of y and dy a thread
+//                   in registers; longer rows: a block per row staged like the
+//                   forward's.
+// The register tiers take the row max, then one exp per element against it (kept for
+// softmax), then the sum: two plain reductions, no exps inside them. The staged
+// long-row forward reads shared memory three times (max, Σ, outputs) with one FMA per
+// exponent; it is compiled per mask kind and causal rule and folds a bool mask or the
+// rule into its row copy. Other unmasked rows run kernels compiled without the
+// mask/causal tests (MASKED=false); there mask kind and log/softmax are runtime,
+// warp-uniform branches.
 // Reductions run in a fixed order: no atomics, bitwise reproducible.
 #pragma once
 #include <cuda_runtime.h>
@@ -232,45 +238,351 @@ __global__ void __launch_bounds__(kBlockThreads) fwd_block_regs_kernel(FwdArgs a
   }
 }
 
-// A block per row for long rows: an online (max, sum) pass, then the output pass
-// over the row cached in shared memory (CACHE) or read again.
-template <typename T, int PACK, bool CACHE, bool MASKED>
-__global__ void fwd_block_kernel(FwdArgs a) {
+// ------------------------------------------------------- long-row forward ---
+//
+// Mask and causal rule of the long-row tier known at compile time (MK a MaskKind, or
+// kRuntimeMask: pack_logits' runtime branches, for unvectorized rows).
+constexpr int kRuntimeMask = -1;
+// Long-row blocks: at most 512 threads (128 registers each).
+constexpr int kLongThreads = 512;
+
+// A pack read through the read-only data path (ld.global.nc): the compiler may move
+// it ahead of shared-memory stores, which a plain load through a generic pointer
+// forbids.
+template <typename P>
+__device__ __forceinline__ P ldg_pack(const P* ptr) {
+  P out;
+  if constexpr (sizeof(P) % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < int(sizeof(P) / 16); ++i)
+      reinterpret_cast<uint4*>(&out)[i] = __ldg(reinterpret_cast<const uint4*>(ptr) + i);
+  } else if constexpr (sizeof(P) == 8) {
+    *reinterpret_cast<uint2*>(&out) = __ldg(reinterpret_cast<const uint2*>(ptr));
+  } else if constexpr (sizeof(P) == 4) {
+    *reinterpret_cast<unsigned*>(&out) = __ldg(reinterpret_cast<const unsigned*>(ptr));
+  } else if constexpr (sizeof(P) == 2) {
+    *reinterpret_cast<unsigned short*>(&out) = __ldg(reinterpret_cast<const unsigned short*>(ptr));
+  } else {
+    out = *ptr;
+  }
+  return out;
+}
+
+// A pack of x as floats; bf16 pairs through 32-bit words (one shift or mask each).
+template <typename T, int PACK>
+__device__ __forceinline__ void unpack_floats(const Pack<T, PACK>& pk, float (&f)[PACK]) {
+  if constexpr (std::is_same_v<T, bf16_t> && PACK % 2 == 0) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&pk);
+#pragma unroll
+    for (int k = 0; k < PACK / 2; ++k) {
+      f[2 * k] = __uint_as_float(w[k] << 16);
+      f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
+  }
+}
+
+template <typename T, int PACK, int MK> struct MaskPackIO {  // kNoMask, kRuntimeMask
+  struct Raw {};
+  static __device__ __forceinline__ Raw load(const void*, int64_t) { return {}; }
+  static __device__ __forceinline__ void apply(const Raw&, float (&)[PACK]) {}
+};
+template <typename T, int PACK> struct MaskPackIO<T, PACK, kBoolMask> {
+  using Raw = Pack<uint8_t, PACK>;
+  static __device__ __forceinline__ Raw load(const void* m, int64_t p) { return ldg_pack(static_cast<const Raw*>(m) + p); }
+  // Element k is kept iff its byte is nonzero: one AND-to-predicate a byte from words.
+  static __device__ __forceinline__ bool keep(const Raw& r, int k) {
+    if constexpr (PACK % 4 == 0) return reinterpret_cast<const uint32_t*>(&r)[k / 4] & (0xffu << (8 * (k % 4)));
+    else return r.v[k] != 0;
+  }
+  static __device__ __forceinline__ void apply(const Raw& r, float (&z)[PACK]) {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) z[k] = keep(r, k) ? z[k] : neg_inf();
+  }
+};
+template <typename T, int PACK, typename M> struct AddMaskPackIO {
+  using Raw = Pack<M, PACK>;
+  static __device__ __forceinline__ Raw load(const void* m, int64_t p) { return ldg_pack(static_cast<const Raw*>(m) + p); }
+  static __device__ __forceinline__ void apply(const Raw& r, float (&z)[PACK]) {
+    float v[PACK];
+    unpack_floats(r, v);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) z[k] += v[k];
+  }
+};
+template <typename T, int PACK> struct MaskPackIO<T, PACK, kAddMask> : AddMaskPackIO<T, PACK, T> {};
+template <typename T, int PACK> struct MaskPackIO<T, PACK, kAddMaskF32> : AddMaskPackIO<T, PACK, float> {};
+
+// Whether the causal rule masks any element of pack p (climit: causal_limit()).
+template <int PACK>
+__device__ __forceinline__ bool causal_reaches(int64_t climit, int64_t p) { return climit - p * PACK < PACK - 1; }
+
+// Logits of pack p: x scaled, the mask applied, then the causal rule, as logit() does.
+// The causal test is one compare per pack (and per element only past the diagonal).
+template <typename T, int PACK, int MK, bool CAUSAL>
+__device__ __forceinline__ void long_logits(const FwdArgs& a, int64_t climit, int64_t mrow, int64_t p,
+                                            const Pack<T, PACK>& raw, const typename MaskPackIO<T, PACK, MK>::Raw& mraw,
+                                            float (&z)[PACK]) {
+  if constexpr (MK == kRuntimeMask) {
+    pack_logits<T, PACK, true>(a, climit, mrow, p * PACK, raw, z);
+  } else {
+    unpack_floats(raw, z);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) z[k] *= a.scale;
+    MaskPackIO<T, PACK, MK>::apply(mraw, z);
+    if constexpr (CAUSAL) {
+      if (causal_reaches<PACK>(climit, p)) {  // rare: the packs past the diagonal
+        const int64_t room = climit - p * PACK;  // keep z[k] for k <= room
+        const int last = room < 0 ? -1 : int(room);
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) z[k] = k <= last ? z[k] : neg_inf();
+      }
+    }
+  }
+}
+
+// x with -inf where z is -inf (the fold of the long-row kernel).
+template <typename T, int PACK>
+__device__ __forceinline__ void fold_by_logits(Pack<T, PACK>& pk, const float (&z)[PACK]) {
+  const T masked_x = from_float<T>(neg_inf());
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) pk.v[k] = z[k] == neg_inf() ? masked_x : pk.v[k];
+}
+
+// x with -inf where a bool mask pack (bytes 0/1, as XLA stores PRED) is 0: for 16-bit
+// x, each byte pair spread to a halfword (PRMT), times 0xffff, selects per halfword
+// in one LOP3 per 32-bit word.
+template <typename T, int PACK>
+__device__ __forceinline__ void fold_by_bool_mask(Pack<T, PACK>& pk, const Pack<uint8_t, PACK>& m) {
+  if constexpr (sizeof(T) == 2 && PACK % 4 == 0) {
+    constexpr uint32_t kNegInf2 = std::is_same_v<T, bf16_t> ? 0xff80ff80u : 0xfc00fc00u;
+    uint32_t* w = reinterpret_cast<uint32_t*>(&pk);
+    const uint32_t* mw = reinterpret_cast<const uint32_t*>(&m);
+#pragma unroll
+    for (int k = 0; k < PACK / 2; ++k) {
+      const uint32_t spread = __byte_perm(mw[k / 2], 0, (k % 2) ? 0x4342 : 0x4140);  // 0x00b1'00b0
+      const uint32_t keep = spread * 0xffffu;
+      w[k] = (w[k] & keep) | (kNegInf2 & ~keep);
+    }
+  } else {
+    const T masked_x = from_float<T>(neg_inf());
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) pk.v[k] = MaskPackIO<T, PACK, kBoolMask>::keep(m, k) ? pk.v[k] : masked_x;
+  }
+}
+
+// Copies this thread's packs p = threadIdx.x + k * blockDim.x of a row from global to
+// shared memory; wait_row_copies() then waits for them. cp.async (sm_80+, 4/8/16-byte
+// packs) puts all of them in flight at once without staging them in registers (a
+// load-then-store loop keeps about one pack per thread in flight: short of the H200's
+// copy bandwidth). Only the copying thread reads a pack back, so waiting for its own
+// copies is enough (no block barrier).
+template <typename PackT>
+__device__ __forceinline__ void copy_row_to_smem(PackT* dst, const PackT* src, int64_t nvec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(PackT) == 4 || sizeof(PackT) == 8 || sizeof(PackT) == 16) {
+    for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
+      const unsigned saddr = static_cast<unsigned>(__cvta_generic_to_shared(dst + p));
+      if constexpr (sizeof(PackT) == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(saddr), "l"(src + p) : "memory");
+      else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(saddr), "l"(src + p), "n"(sizeof(PackT)) : "memory");
+    }
+    return;
+  }
+#endif
+  for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) dst[p] = src[p];
+}
+
+__device__ __forceinline__ void wait_row_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Row outputs from base-2 exponents e = (z - max) * log2(e) + c, where c is any
+// constant common to the row (the rounding of the shift): it cancels in e - log2(s),
+// s = Σ 2^e. A fully masked row (s = 0, every e = -inf) gives 0 / -inf.
+struct RowOut2 {
+  float inv_s, log2_s;
+  __device__ __forceinline__ RowOut2(float s, bool log) {
+    inv_s = log || s == 0.f ? 0.f : 1.f / s;
+    log2_s = log && s != 0.f ? __log2f(s) : 0.f;
+  }
+  __device__ __forceinline__ float out(float e, bool log) const {
+    constexpr float kLn2 = 0.6931471805599453f;
+    if (log) return (e - log2_s) * kLn2;
+    float p;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(p) : "f"(e));
+    return p * inv_s;
+  }
+};
+
+__device__ __forceinline__ float exp2_f32(float e) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e));
+  return r;
+}
+
+// A block per row for long rows.
+// CACHE: the row is staged in shared memory (copy_row_to_smem), then read three times:
+// the row max (block-reduced), Σ 2^e (block-reduced), the outputs. With one shift for
+// the whole row, the exponent is one FMA, e = x * (scale * log2 e) - max * log2 e,
+// the same in the sum and output passes (RowOut2). A bool mask or the causal rule
+// (with scale > 0: -inf * scale = -inf) is folded into the cache as -inf entries by
+// the max pass, so the later passes run the unmasked math on the same logits.
+// Without CACHE (rows past shared memory): one read pass merging per-pack (max, sum)
+// pairs, then the output pass reading x again.
+template <typename T, int PACK, bool CACHE, int MK, bool CAUSAL>
+__global__ void __launch_bounds__(kLongThreads, 3) fwd_block_kernel(FwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
+  using MaskIO = MaskPackIO<T, PACK, MK>;
+  using MaskRaw = typename MaskIO::Raw;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool UNMASKED = MK == kNoMask && !CAUSAL;
+  constexpr bool FOLDABLE = CACHE && (MK == kBoolMask || (MK == kNoMask && CAUSAL));
   PackT* cache = reinterpret_cast<PackT*>(smem_raw);
   const int64_t nvec = a.cols / PACK;
-  const PackT* x = static_cast<const PackT*>(a.x);
-  T* y = static_cast<T*>(a.y);
+  const bool fold = FOLDABLE && a.scale > 0.f;
+  const bool plain = UNMASKED || fold;  // after the max pass: logits = x * scale
+  const float x_to_e = a.scale * kLog2e;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const int64_t mrow = a.mask_kind != kNoMask ? mask_row(a.map, row) : 0;
+    const int64_t mrow = (MK != kNoMask && a.mask_kind != kNoMask) ? mask_row(a.map, row) : 0;
     const int64_t climit = causal_limit(a, row);
-    MaxSum ms;
-    for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
-      const PackT pk = x[row * nvec + p];
-      if (CACHE) cache[p] = pk;
-      float z[PACK];
-      pack_logits<T, PACK, MASKED>(a, climit, mrow, p * PACK, pk, z);
-      float pm = neg_inf();
+    const PackT* x = static_cast<const PackT*>(a.x) + row * nvec;
+    T* y = static_cast<T*>(a.y) + row * a.cols;
+    const void* mask = nullptr;
+    if constexpr (MK != kNoMask && MK != kRuntimeMask)
+      mask = static_cast<const unsigned char*>(a.mask) + mrow * a.cols * int64_t(sizeof(typename MaskRaw::value_type));
+    // Masked logits of pack p (from the cache, or x without CACHE).
+    auto masked_logits = [&](int64_t p, float (&z)[PACK]) {
+      long_logits<T, PACK, MK, CAUSAL>(a, climit, mrow, p, CACHE ? cache[p] : x[p], MaskIO::load(mask, p), z);
+    };
+    if constexpr (CACHE) {
+      const int n = int(nvec);  // the row fits in shared memory
+      copy_row_to_smem(cache, x, nvec);
+      float m = neg_inf();
+      if constexpr (UNMASKED) {
+        wait_row_copies();
+#pragma unroll 4
+        for (int p = threadIdx.x; p < n; p += blockDim.x) {
+          float z[PACK];
+          unpack_floats(cache[p], z);
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) pm = fmaxf(pm, z[j]);
-      const float shift = safe_max(pm);
-      float ps = 0.f;
+          for (int k = 0; k < PACK; ++k) m = fmaxf(m, z[k] * a.scale);
+        }
+      } else {
+        // kMaskAhead mask packs (up to 32 bytes) loaded at a time, the first ones before
+        // the wait for the row copy (their latency overlaps it).
+        constexpr int kMaskAhead = sizeof(MaskRaw) <= 8 ? 4 : sizeof(MaskRaw) <= 16 ? 2 : 1;
+#pragma unroll 1
+        for (int base = threadIdx.x; base < n; base += kMaskAhead * blockDim.x) {
+          MaskRaw mk[kMaskAhead];
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) ps += exp_f32(z[j] - shift);
-      ms.merge(pm, ps);
+          for (int u = 0; u < kMaskAhead; ++u) {
+            const int p = base + u * blockDim.x;
+            if (p < n) mk[u] = MaskIO::load(mask, p);
+          }
+          wait_row_copies();
+#pragma unroll
+          for (int u = 0; u < kMaskAhead; ++u) {
+            const int p = base + u * blockDim.x;
+            if (p >= n) break;
+            PackT pk = cache[p];
+            float z[PACK];
+            long_logits<T, PACK, MK, CAUSAL>(a, climit, mrow, p, pk, mk[u], z);
+#pragma unroll
+            for (int k = 0; k < PACK; ++k) m = fmaxf(m, z[k]);
+            if constexpr (FOLDABLE) {
+              const bool rule = CAUSAL && causal_reaches<PACK>(climit, p);
+              if (fold && (MK == kBoolMask || rule)) {
+                if constexpr (MK == kBoolMask) {
+                  if (rule) fold_by_logits(pk, z);
+                  else fold_by_bool_mask(pk, mk[u]);
+                } else {
+                  fold_by_logits(pk, z);
+                }
+                cache[p] = pk;
+              }
+            }
+          }
+        }
+      }
+      const float shift_e = safe_max(block_reduce<true>(m)) * kLog2e;
+      // Exponents of pack p against the row max: from x alone (PLAIN) or the masked logits.
+      auto exponents = [&](auto plain_tag, int p, float (&e)[PACK]) {
+        if constexpr (decltype(plain_tag)::value) {
+          unpack_floats(cache[p], e);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) e[k] = fmaf(e[k], x_to_e, -shift_e);
+        } else {
+          masked_logits(p, e);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) e[k] = fmaf(e[k], kLog2e, -shift_e);
+        }
+      };
+      auto sum_pass = [&](auto plain_tag) {
+        float s = 0.f;
+#pragma unroll 4
+        for (int p = threadIdx.x; p < n; p += blockDim.x) {
+          float e[PACK];
+          exponents(plain_tag, p, e);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) s += exp2_f32(e[k]);
+        }
+        return s;
+      };
+      float s = 0.f;
+      if (plain) s = sum_pass(std::true_type{});
+      else if constexpr (!UNMASKED) s = sum_pass(std::false_type{});
+      const RowOut2 r(block_reduce<false>(s), a.log);
+      // Softmax and log_softmax loops apart: a runtime flag inside would be predicated,
+      // issuing both paths' instructions.
+      auto output_pass = [&](auto plain_tag, auto log_tag) {
+#pragma unroll 4
+        for (int p = threadIdx.x; p < n; p += blockDim.x) {
+          float e[PACK];
+          exponents(plain_tag, p, e);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) e[k] = r.out(e[k], decltype(log_tag)::value);
+          store_pack<T, PACK>(y + int64_t(p) * PACK, e);
+        }
+      };
+      auto output_log = [&](auto plain_tag) {
+        if (a.log) output_pass(plain_tag, std::true_type{});
+        else output_pass(plain_tag, std::false_type{});
+      };
+      if (plain) output_log(std::true_type{});
+      else if constexpr (!UNMASKED) output_log(std::false_type{});
+      // No barrier before the next row's copy: each thread reads only the packs it
+      // copied itself.
+    } else {
+      MaxSum ms;
+      for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
+        float z[PACK];
+        masked_logits(p, z);
+        float pm = neg_inf();
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) pm = fmaxf(pm, z[k]);
+        const float shift = safe_max(pm);
+        float ps = 0.f;
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) ps += exp_f32(z[k] - shift);
+        ms.merge(pm, ps);
+      }
+      const MaxSum whole = block_max_sum(ms);
+      const RowOut r = finish_row(safe_max(whole.m), whole.s, a.log);
+      for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
+        float z[PACK];
+        masked_logits(p, z);
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) z[k] = softmax_out(z[k], r, a.log);
+        store_pack<T, PACK>(y + p * PACK, z);
+      }
     }
-    const MaxSum whole = block_max_sum(ms);
-    const RowOut r = finish_row(safe_max(whole.m), whole.s, a.log);
-    for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
-      const PackT pk = CACHE ? cache[p] : x[row * nvec + p];
-      float z[PACK];
-      pack_logits<T, PACK, MASKED>(a, climit, mrow, p * PACK, pk, z);
-#pragma unroll
-      for (int j = 0; j < PACK; ++j) z[j] = softmax_out(z[j], r, a.log);
-      store_pack<T, PACK>(y + (row * nvec + p) * PACK, z);
-    }
-    if (CACHE) __syncthreads();  // the next row overwrites the cache
   }
 }
 
@@ -360,34 +672,39 @@ __global__ void __launch_bounds__(kBlockThreads) bwd_block_regs_kernel(BwdArgs a
   }
 }
 
+// A block per row for long rows: the Σ pass, then the dx pass. CACHE: y and dy are
+// staged in shared memory first (copy_row_to_smem); otherwise both passes read them.
 template <typename T, int PACK, bool CACHE>
-__global__ void bwd_block_kernel(BwdArgs a) {
+__global__ void __launch_bounds__(kLongThreads) bwd_block_kernel(BwdArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
   PackT* cache_y = reinterpret_cast<PackT*>(smem_raw);
   PackT* cache_dy = cache_y + nvec;
-  const PackT* yv = static_cast<const PackT*>(a.y);
-  const PackT* dyv = static_cast<const PackT*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const PackT* yv = static_cast<const PackT*>(a.y) + row * nvec;
+    const PackT* dyv = static_cast<const PackT*>(a.dy) + row * nvec;
+    if constexpr (CACHE) {
+      copy_row_to_smem(cache_y, yv, nvec);
+      copy_row_to_smem(cache_dy, dyv, nvec);
+      wait_row_copies();
+    }
     float dot = 0.f;
+#pragma unroll 4
     for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
-      const PackT py = yv[row * nvec + p], pd = dyv[row * nvec + p];
-      if (CACHE) { cache_y[p] = py; cache_dy[p] = pd; }
+      const PackT py = CACHE ? cache_y[p] : yv[p], pd = CACHE ? cache_dy[p] : dyv[p];
 #pragma unroll
       for (int j = 0; j < PACK; ++j) dot += bwd_dot_term(to_float(py.v[j]), to_float(pd.v[j]), a.log);
     }
     dot = block_sum(dot);
+#pragma unroll 4
     for (int64_t p = threadIdx.x; p < nvec; p += blockDim.x) {
-      const PackT py = CACHE ? cache_y[p] : yv[row * nvec + p];
-      const PackT pd = CACHE ? cache_dy[p] : dyv[row * nvec + p];
+      const PackT py = CACHE ? cache_y[p] : yv[p], pd = CACHE ? cache_dy[p] : dyv[p];
       float out[PACK];
 #pragma unroll
       for (int j = 0; j < PACK; ++j) out[j] = softmax_dx(to_float(py.v[j]), to_float(pd.v[j]), dot, a.scale, a.log);
-      store_pack<T, PACK>(dx + (row * nvec + p) * PACK, out);
+      store_pack<T, PACK>(static_cast<T*>(a.dx) + (row * nvec + p) * PACK, out);
     }
-    if (CACHE) __syncthreads();
   }
 }
 
@@ -460,10 +777,15 @@ cudaError_t launch_block_regs(void (*kernel)(Args), const Args& a, int threads, 
 }
 
 // Long rows: cached in shared memory when it fits (row_bytes per block), else re-read.
+// Threads: about 8 packs each (measured on the H200 at 16384 and 32768 bf16 columns:
+// 4 or 16 packs a thread ran the masked forward 6-13 % slower), 128..kLongThreads;
+// threads_knob > 0 overrides (rounded up to a multiple of 32, clamped likewise).
 template <typename Args>
 cudaError_t launch_block_long(void (*cached)(Args), void (*uncached)(Args), const Args& a,
-                              size_t row_bytes, int64_t nvec, cudaStream_t stream) {
-  const int threads = block_threads(nvec);
+                              size_t row_bytes, int64_t nvec, int threads_knob, cudaStream_t stream) {
+  const int64_t want = threads_knob > 0 ? threads_knob : (nvec + 7) / 8;
+  const int64_t rounded = (want + 31) / 32 * 32;
+  const int threads = int(rounded < 128 ? 128 : rounded > kLongThreads ? kLongThreads : rounded);
   int blocks = 0;
   if (cached_grid(cached, threads, row_bytes, a.rows, &blocks)) {
     cached<<<blocks, threads, row_bytes, stream>>>(a);
@@ -475,6 +797,51 @@ cudaError_t launch_block_long(void (*cached)(Args), void (*uncached)(Args), cons
   return cudaGetLastError();
 }
 
+// Tuning knobs (cuda_utils.cuh env_knob): the longest row of the forward's
+// block-register tier (longer rows go to the long-row tier; default 1024, i.e. the
+// tier is off: on the H200 the long-row kernel ran 2048-16384 columns 1.2-1.6x faster),
+// and the long-row tier's block size (0: about 8 packs a thread).
+inline int64_t fwd_regs_max_cols() {
+  static const int v = env_knob("JAX_OPS_SOFTMAX_FWD_REGS_MAX_COLS", int(kWarpMaxCols));
+  return v;
+}
+inline int fwd_long_threads() {
+  static const int v = env_knob("JAX_OPS_SOFTMAX_FWD_LONG_THREADS", 0);
+  return v;
+}
+inline int bwd_long_threads() {
+  static const int v = env_knob("JAX_OPS_SOFTMAX_BWD_LONG_THREADS", 0);
+  return v;
+}
+
+template <typename T, int PACK, int MK, bool CAUSAL>
+cudaError_t launch_fwd_long_as(const FwdArgs& a, cudaStream_t stream) {
+  return launch_block_long(fwd_block_kernel<T, PACK, true, MK, CAUSAL>, fwd_block_kernel<T, PACK, false, MK, CAUSAL>, a,
+                           size_t(a.cols) * sizeof(T), a.cols / PACK, fwd_long_threads(), stream);
+}
+
+// The long-row forward compiled for the row's mask kind and causal rule
+// (unvectorized rows: one kernel with runtime mask branches).
+template <typename T, int PACK, bool MASKED>
+cudaError_t launch_fwd_long(const FwdArgs& a, cudaStream_t stream) {
+  if constexpr (!MASKED) {
+    return launch_fwd_long_as<T, PACK, kNoMask, false>(a, stream);
+  } else if constexpr (PACK == 1) {
+    return launch_fwd_long_as<T, 1, kRuntimeMask, false>(a, stream);
+  } else {
+    auto with_rule = [&](auto causal) {
+      constexpr bool C = decltype(causal)::value;
+      switch (a.mask_kind) {
+        case kBoolMask: return launch_fwd_long_as<T, PACK, kBoolMask, C>(a, stream);
+        case kAddMask: return launch_fwd_long_as<T, PACK, kAddMask, C>(a, stream);
+        case kAddMaskF32: return launch_fwd_long_as<T, PACK, kAddMaskF32, C>(a, stream);
+        default: return launch_fwd_long_as<T, PACK, kNoMask, C>(a, stream);
+      }
+    };
+    return a.causal ? with_rule(std::true_type{}) : with_rule(std::false_type{});
+  }
+}
+
 template <typename T, int PACK, bool MASKED>
 cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
@@ -482,13 +849,12 @@ cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
     return dispatch_row_shape<kWarpMaxCols / (32 * PACK)>(nvec, [&](auto vpt, auto width) {
       return launch_fwd_warp<T, PACK, decltype(vpt)::value, decltype(width)::value, MASKED>(a, stream);
     });
-  if (nvec <= int64_t(kBlockThreads) * (fwd_block_values<PACK>() / PACK))
+  if (nvec <= int64_t(kBlockThreads) * (fwd_block_values<PACK>() / PACK) && a.cols <= fwd_regs_max_cols())
     return dispatch_block_k<PACK, fwd_block_values<PACK>(), 1, kFwdBlockTargetThreads>(nvec, [&](auto k, int threads) {
       constexpr int K = decltype(k)::value;
       return launch_block_regs(fwd_block_regs_kernel<T, PACK, K, MASKED>, a, threads, stream);
     });
-  return launch_block_long(fwd_block_kernel<T, PACK, true, MASKED>, fwd_block_kernel<T, PACK, false, MASKED>, a,
-                           size_t(a.cols) * sizeof(T), nvec, stream);
+  return launch_fwd_long<T, PACK, MASKED>(a, stream);
 }
 
 template <typename T, int PACK>
@@ -504,7 +870,7 @@ cudaError_t launch_bwd_packed(const BwdArgs& a, cudaStream_t stream) {
       return launch_block_regs(bwd_block_regs_kernel<T, PACK, K>, a, threads, stream);
     });
   return launch_block_long(bwd_block_kernel<T, PACK, true>, bwd_block_kernel<T, PACK, false>, a,
-                           2 * size_t(a.cols) * sizeof(T), nvec, stream);
+                           2 * size_t(a.cols) * sizeof(T), nvec, bwd_long_threads(), stream);
 }
 
 inline size_t mask_item_bytes(int kind, size_t x_item) {

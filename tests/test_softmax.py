@@ -408,6 +408,46 @@ def test_pallas_column_limit(impl):
         assert_close("y", y, ref_forward(x)[0], tol=TOL_HEAVY_F32)
 
 
+# ------------------------------------------------------------ long rows ---
+
+# Rows past the CUDA forward's register tiers (16384 values) run the long-row kernel,
+# compiled per mask kind and causal rule; a bool mask or the rule (scale > 0) is folded
+# into its row cache as -inf entries. One case per compiled variant, the fold's
+# exclusions (additive masks, scale <= 0) and the unvectorized runtime path (odd cols).
+LONG = 16392  # a multiple of 8 (vectorized for every dtype), past 16384
+LONG_CASES = [
+    # id, dtype, shape, mask kind, mask shape, causal, scale
+    ("plain", "bfloat16", (3, LONG), None, None, False, None),
+    ("bool_key_padding", "bfloat16", (2, 3, LONG), "bool", (2, 1, LONG), False, 0.125),
+    ("causal", "float16", (2, 3, LONG), None, None, True, None),
+    ("causal_q_gt_rows", "float32", (5, LONG), None, None, True, 0.5),
+    ("f32_qk_causal", "float32", (2, 3, LONG), "f32", (3, LONG), True, None),
+    ("x_full_negative_scale", "bfloat16", (3, LONG), "x", (3, LONG), False, -2.0),
+    ("bool_causal_negative_scale", "float16", (2, 3, LONG), "bool", (2, 3, LONG), True, -0.5),
+    ("bool_causal_zero_scale", "float16", (3, LONG), "bool", (3, LONG), True, 0.0),
+    ("unvectorized_bool_causal", "bfloat16", (2, 3, LONG - 1), "bool", (2, 1, LONG - 1), True, 0.125),
+    ("long_bool_causal", "bfloat16", (2, 65536), "bool", (2, 65536), True, 0.125),
+]
+
+
+@pytest.mark.parametrize("impl", ("xla", "cuda"))
+@pytest.mark.parametrize("cid,dtype,shape,kind,mshape,causal,scale", LONG_CASES, ids=[c[0] for c in LONG_CASES])
+def test_long_rows(cid, dtype, shape, kind, mshape, causal, scale, impl):
+    need(impl)
+    seed = seed_of("long" + cid)
+    rng = np.random.default_rng(seed)
+    x = make_x(rng, shape, dtype)
+    mask = make_mask(rng, kind, mshape, dtype)
+    if kind == "bool":  # one fully masked row among partly masked ones
+        m = np.array(mask)
+        m[(0,) * (m.ndim - 1)] = False
+        mask = jnp.asarray(m)
+    out = run_and_check(impl, x, mask, causal=causal, seed=seed, scale=scale)
+    if kind == "bool":
+        y = f64(out["softmax"][0])
+        assert np.all(y[(0,) * (y.ndim - 1)] == 0.0)
+
+
 # ------------------------------------------------------------------- masks ---
 
 B4 = (2, 3, 4, 33)  # (batch, heads, queries, keys)
@@ -523,7 +563,7 @@ def test_fully_masked_rows(how, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("cols", [5, 1025])
+@pytest.mark.parametrize("cols", [5, 1025, LONG])
 def test_rows_with_neg_inf_entries(cols, impl):
     """x == -inf entries are masked out: softmax 0, log_softmax -inf, dx 0 there."""
     need(impl)
@@ -551,7 +591,7 @@ def test_large_magnitudes_are_stable(dtype, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("cols", [33, 1025])
+@pytest.mark.parametrize("cols", [33, 1025, LONG])
 def test_nan_row_is_isolated(cols, impl):
     """A NaN in row 1 leaves NaN in row 1 (at least where it was) and rows 0 and 2
     exactly as without it, forward and backward."""
