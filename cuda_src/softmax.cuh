@@ -8,12 +8,13 @@
 //   forward, longer rows: a block per row (about 8 packs a thread, <= 512 threads),
 //                   the row staged in shared memory by cp.async (all of it in flight
 //                   at once), or read twice from global memory when shared memory
-//                   cannot hold it. A block-register tier (the backward's below) is
-//                   kept behind a tuning knob: it measured slower (launchers).
+//                   cannot hold it. (A block-register tier like the backward's ran
+//                   2048-16384 columns 1.2-1.6x slower on the H200: one 512-thread
+//                   block per SM never overlaps one row's loads with another's stores.)
 //   backward, cols <= 16384: a block per row, up to 32 values of y and dy a thread
 //                   in registers; longer rows: a block per row staged like the
 //                   forward's.
-// The register tiers take the row max, then one exp per element against it (kept for
+// The group tier takes the row max, then one exp per element against it (kept for
 // softmax), then the sum: two plain reductions, no exps inside them. The staged
 // long-row forward reads shared memory three times (max, Σ, outputs) with one FMA per
 // exponent; it is compiled per mask kind and causal rule and folds a bool mask or the
@@ -31,15 +32,10 @@ namespace jax_ops::softmax {
 
 constexpr int kWarpThreads = 128;      // threads per block of the group-per-row kernels
 constexpr int64_t kWarpMaxCols = 1024;  // 32 values a lane at most
-// Block-per-row tier: at most 512 threads (so 128 registers a thread) holding up to
-// 32 values each (x, as float logits or exps, next to the raw loads; 64 spilled) in
-// the forward, 32 of y and of dy in the backward; unvectorized rows (PACK 1) half that.
+// Backward block-per-row tier: at most 512 threads (so 128 registers a thread) holding
+// up to 32 values of y and of dy each; unvectorized rows (PACK 1) half that.
 constexpr int kBlockThreads = 512;
-template <int PACK> constexpr int fwd_block_values() { return PACK == 1 ? 16 : 32; }
 template <int PACK> constexpr int bwd_block_values() { return PACK == 1 ? 16 : 32; }
-// The forward's per-row reductions are amortized over more values: about 256
-// threads a row, 16+ values each, where the row allows.
-constexpr int kFwdBlockTargetThreads = 256;
 
 // ------------------------------------------------------------- element io ---
 
@@ -189,51 +185,6 @@ __global__ void __launch_bounds__(kWarpThreads) fwd_warp_kernel(FwdArgs a) {
 #pragma unroll
       for (int k = 0; k < PACK; ++k) out[k] = v[p * PACK + k];
       store_pack<T, PACK>(y + row * a.cols + col, out);
-    }
-  }
-}
-
-// A block per row; thread t holds packs t + k * blockDim.x, k < K.
-template <typename T, int PACK, int K, bool MASKED>
-__global__ void __launch_bounds__(kBlockThreads) fwd_block_regs_kernel(FwdArgs a) {
-  constexpr int N = K * PACK;
-  using PackT = Pack<T, PACK>;
-  const int64_t nvec = a.cols / PACK;
-  const PackT* x = static_cast<const PackT*>(a.x);
-  T* y = static_cast<T*>(a.y);
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    PackT raw[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-      if (p < nvec) raw[k] = x[row * nvec + p];
-    }
-    const int64_t mrow = a.mask_kind != kNoMask ? mask_row(a.map, row) : 0;
-    const int64_t climit = causal_limit(a, row);
-    float v[N];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-      float z[PACK];
-      if (p < nvec) {
-        pack_logits<T, PACK, MASKED>(a, climit, mrow, p * PACK, raw[k], z);
-      } else {
-#pragma unroll
-        for (int j = 0; j < PACK; ++j) z[j] = neg_inf();
-      }
-#pragma unroll
-      for (int j = 0; j < PACK; ++j) v[k * PACK + j] = z[j];
-    }
-    softmax_values<N>(v, a.log, [](float m) { return block_reduce<true>(m); },
-                      [](float s) { return block_reduce<false>(s); });
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int64_t p = threadIdx.x + int64_t(k) * blockDim.x;
-      if (p >= nvec) continue;
-      float out[PACK];
-#pragma unroll
-      for (int j = 0; j < PACK; ++j) out[j] = v[k * PACK + j];
-      store_pack<T, PACK>(y + (row * nvec + p) * PACK, out);
     }
   }
 }
@@ -413,18 +364,9 @@ struct RowOut2 {
   }
   __device__ __forceinline__ float out(float e, bool log) const {
     constexpr float kLn2 = 0.6931471805599453f;
-    if (log) return (e - log2_s) * kLn2;
-    float p;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(p) : "f"(e));
-    return p * inv_s;
+    return log ? (e - log2_s) * kLn2 : exp2_f32(e) * inv_s;
   }
 };
-
-__device__ __forceinline__ float exp2_f32(float e) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e));
-  return r;
-}
 
 // A block per row for long rows.
 // CACHE: the row is staged in shared memory (copy_row_to_smem), then read three times:
@@ -441,7 +383,6 @@ __global__ void __launch_bounds__(kLongThreads, 3) fwd_block_kernel(FwdArgs a) {
   using PackT = Pack<T, PACK>;
   using MaskIO = MaskPackIO<T, PACK, MK>;
   using MaskRaw = typename MaskIO::Raw;
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool UNMASKED = MK == kNoMask && !CAUSAL;
   constexpr bool FOLDABLE = CACHE && (MK == kBoolMask || (MK == kNoMask && CAUSAL));
   PackT* cache = reinterpret_cast<PackT*>(smem_raw);
@@ -756,14 +697,14 @@ cudaError_t launch_bwd_warp(const BwdArgs& a, cudaStream_t stream) {
 // Block-per-row in registers: K packs a thread (K * PACK <= MAX_VALUES), at most
 // kBlockThreads threads: the smallest K that fits the row (more threads per row
 // put more of its loads in flight at once).
-template <int PACK, int MAX_VALUES, int K = 1, int TARGET = kBlockThreads, typename Launch>
+template <int PACK, int MAX_VALUES, int K = 1, typename Launch>
 cudaError_t dispatch_block_k(int64_t nvec, Launch&& launch) {
   constexpr bool last = K * 2 * PACK > MAX_VALUES;
-  if (nvec <= int64_t(TARGET) * K || (last && nvec <= int64_t(kBlockThreads) * K)) {
+  if (nvec <= int64_t(kBlockThreads) * K) {
     const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
     return launch(std::integral_constant<int, K>{}, threads);
   }
-  if constexpr (!last) return dispatch_block_k<PACK, MAX_VALUES, K * 2, TARGET>(nvec, launch);
+  if constexpr (!last) return dispatch_block_k<PACK, MAX_VALUES, K * 2>(nvec, launch);
   return cudaErrorInvalidValue;
 }
 
@@ -797,14 +738,8 @@ cudaError_t launch_block_long(void (*cached)(Args), void (*uncached)(Args), cons
   return cudaGetLastError();
 }
 
-// Tuning knobs (cuda_utils.cuh env_knob): the longest row of the forward's
-// block-register tier (longer rows go to the long-row tier; default 1024, i.e. the
-// tier is off: on the H200 the long-row kernel ran 2048-16384 columns 1.2-1.6x faster),
-// and the long-row tier's block size (0: about 8 packs a thread).
-inline int64_t fwd_regs_max_cols() {
-  static const int v = env_knob("JAX_OPS_SOFTMAX_FWD_REGS_MAX_COLS", int(kWarpMaxCols));
-  return v;
-}
+// Tuning knobs (cuda_utils.cuh env_knob): the long-row tiers' block size (0: about 8
+// packs a thread).
 inline int fwd_long_threads() {
   static const int v = env_knob("JAX_OPS_SOFTMAX_FWD_LONG_THREADS", 0);
   return v;
@@ -848,11 +783,6 @@ cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
   if (a.cols <= kWarpMaxCols)
     return dispatch_row_shape<kWarpMaxCols / (32 * PACK)>(nvec, [&](auto vpt, auto width) {
       return launch_fwd_warp<T, PACK, decltype(vpt)::value, decltype(width)::value, MASKED>(a, stream);
-    });
-  if (nvec <= int64_t(kBlockThreads) * (fwd_block_values<PACK>() / PACK) && a.cols <= fwd_regs_max_cols())
-    return dispatch_block_k<PACK, fwd_block_values<PACK>(), 1, kFwdBlockTargetThreads>(nvec, [&](auto k, int threads) {
-      constexpr int K = decltype(k)::value;
-      return launch_block_regs(fwd_block_regs_kernel<T, PACK, K, MASKED>, a, threads, stream);
     });
   return launch_fwd_long<T, PACK, MASKED>(a, stream);
 }

@@ -52,13 +52,24 @@ struct BwdArgs {
 
 JO_HD float neg_inf() { return -INFINITY; }
 
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^v: ex2.approx.ftz, 2 ulp; results below 2^-126 flush to 0 (no denormal fix-up
+// instructions).
+JO_HD float exp2_f32(float v) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+#else
+  return std::exp2(v);
+#endif
+}
+
+// e^v as 2^(v * log2 e): 2 ulp near 0, where the mass is (CPU: std::exp).
 JO_HD float exp_f32(float v) {
 #if defined(__CUDA_ARCH__)
-  // ex2.approx.ftz(v * log2 e): 2 ulp near 0, where the mass is; results below
-  // 2^-126 flush to 0 (no denormal fix-up instructions).
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v * 1.4426950408889634f));
-  return r;
+  return exp2_f32(v * kLog2e);
 #else
   return std::exp(v);
 #endif
