@@ -58,7 +58,7 @@ for step in $steps; do
         --impl cuda,pallas,xla --max-sets 48 --json "$L/masked.json" 2>&1 | tee "$L/masked.txt" | grep -v "^check\|K=" | tail -80 ;;
     check-softmax) python3 benchmarks/sanitize_softmax.py 2>&1 | tail -20 | tee "$L/check_softmax.txt"
            IMPL=pallas python3 benchmarks/sanitize_softmax.py 2>&1 | tail -20 | tee -a "$L/check_softmax.txt" ;;
-    sanitize-softmax) timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_softmax.py 3,33,1025,5000,20000,40000 2>&1 | tail -8 | tee "$L/memcheck_softmax.txt" ;;
+    sanitize-softmax) timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --print-limit 20 python3 benchmarks/sanitize_softmax.py ${SAN_COLS:-3,33,1025,5000,20000,40000} 2>&1 | tail -8 | tee "$L/memcheck_softmax.txt" ;;
     # One tier a step, bf16, plain and bool mask (the whole script outlasts 200 s under racecheck)
     racecheck-softmax-quick) for c in ${RACE_COLS:-5000 40000}; do QUICK=1 timeout ${RACE_TIMEOUT:-150} compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_softmax.py $c 2>&1 | tail -4 | tee -a "$L/racecheck_softmax.txt"; done ;;
     racecheck-softmax) timeout 200 compute-sanitizer --tool racecheck --print-limit 20 python3 benchmarks/sanitize_softmax.py 5000,40000 2>&1 | tail -8 | tee "$L/racecheck_softmax.txt" ;;
