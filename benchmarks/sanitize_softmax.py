@@ -4,6 +4,7 @@ backward; meant to run under compute-sanitizer (memcheck/racecheck) on the GPU t
 Compares with the xla implementation (float32 math both)."""
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,10 @@ COLS = [int(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
 IMPL = os.environ.get("IMPL", "cuda")
 # QUICK=1 (for racecheck, where every XLA compile crawls): bfloat16, plain and bool mask only
 QUICK = os.environ.get("QUICK") == "1"
+# Narrower runs under the sanitizers: DTYPES=bf16,f32 and CASES="plain,causal" (names below)
+DTYPES = os.environ.get("DTYPES", "bf16" if QUICK else "f32,bf16").split(",")
+CASES = os.environ.get("CASES", "plain,bool mask" if QUICK else "")
+VERBOSE = os.environ.get("VERBOSE") == "1"  # a line per case (to see how far a slow run got)
 if IMPL == "pallas":
     from pallas_kernels.softmax import MAX_COLS
     COLS = [c for c in COLS if c <= MAX_COLS]
@@ -39,7 +44,7 @@ worst = 0.0
 for cols in COLS:
     rows = 4 if cols > 8192 else 24
     q = 4
-    for dtype in (jnp.bfloat16,) if QUICK else (jnp.float32, jnp.bfloat16):
+    for dtype in [{"f32": jnp.float32, "bf16": jnp.bfloat16}[d] for d in DTYPES]:
         k = jax.random.split(jax.random.key(cols), 4)
         x = (jax.random.normal(k[0], (rows // q, q, cols)) * 3).astype(dtype)
         dy = jax.random.normal(k[1], x.shape).astype(dtype)
@@ -47,11 +52,15 @@ for cols in COLS:
         bias = jnp.where(jax.random.bernoulli(k[3], 0.9, (q, cols)), 0.5, -jnp.inf)
         cases = {"plain": {}, "scaled": {"scale": 0.125}, "bool mask": {"mask": pad},
                  "additive mask": {"mask": bias}, "causal": {"causal": True}}
-        if QUICK:
-            cases = {k: cases[k] for k in ("plain", "bool mask")}
+        if CASES:
+            cases = {k: cases[k] for k in CASES.split(",")}
         for name, kw in cases.items():
             for fn in (jax_ops.softmax, jax_ops.log_softmax):
+                t0 = time.time()
                 got, ref = run(IMPL, fn, x, dy, kw), run("xla", fn, x, dy, kw)
+                if VERBOSE:
+                    print(f"{fn.__name__} {name} {jnp.dtype(dtype).name} {x.shape}: "
+                          f"{time.time() - t0:.1f} s", flush=True)
                 for what, g, r in zip(("y", "dx"), got, ref):
                     err = rel_err(g, r)
                     if err > 2e-2:
