@@ -361,8 +361,6 @@ def _pallas_fwd(x, mask, *, axis, scale, log, causal, mask_kind, config, interpr
         return _fwd_reference(x, mask, axis=axis, scale=scale, log=log, causal=causal,
                               mask_kind=mask_kind)
     xk, mask2, groups = _kernel_layout(x, mask, axis, mask_kind)
-    if mask_kind == "bool":  # Triton's i1 has no memory layout: read bytes
-        mask2 = mask2.astype(jnp.int8)
     q, offset = _causal_dims(xk.shape)
     cols = xk.shape[-1]
     y = pallas_softmax.softmax_fwd(

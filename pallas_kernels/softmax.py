@@ -4,8 +4,8 @@ Layout: x is (rows, cols), the softmax axis last; one program owns `block_rows`
 whole rows as a (block_rows, next_pow2(cols)) tile in registers, masked at the
 column tail and the last row block. Math in float32, one pass over HBM each way.
 
-Masks: `mask` is (mask_rows, cols), int8 (1 = keep; jax's bool is converted by
-the caller) or floating (added to the scaled logits); row r of x uses mask row
+Masks: `mask` is (mask_rows, cols), bool (True = keep; read in place as PRED
+bytes, no conversion kernel) or floating (added to the scaled logits); row r of x uses mask row
 Σ ((r // inner) % size) * stride over `mask_map`'s (inner, size, stride)
 groups, gathered in the kernel, so broadcast masks are never materialized.
 causal: keep column j of row r iff j <= r % q_len + offset.
@@ -69,7 +69,8 @@ def _fwd_kernel(*refs, rows, cols, block_rows, scale, log, causal, q_len, offset
         for inner, size, stride in mask_map:
             mrow = mrow + ((r // inner) % size) * stride
         mrow = jnp.where(row_ok, mrow, 0)
-        mv = plgpu.load(mask_ref.at[mrow[:, None], c[None, :]], mask=ok, other=0)
+        mv = plgpu.load(mask_ref.at[mrow[:, None], c[None, :]], mask=ok,
+                        other=False if mask_ref.dtype == jnp.bool_ else 0)
         if mask_kind == "bool":
             keep = keep & (mv != 0)
         else:
@@ -93,7 +94,7 @@ def _fwd_kernel(*refs, rows, cols, block_rows, scale, log, causal, q_len, offset
 def softmax_fwd(x, mask, *, scale: float, log: bool, causal: bool, q_len: int, offset: int,
                 mask_kind: str, mask_map: tuple, config: dict | None = None,
                 interpret: bool = False):
-    """x: (rows, cols); mask: (mask_rows, cols) int8 (kind "bool") or floating ("add"),
+    """x: (rows, cols); mask: (mask_rows, cols) bool (kind "bool") or floating ("add"),
     or None (kind "none"). Returns y, x's dtype."""
     rows, cols = x.shape
     cfg = config or default_config(rows, cols, "fwd")
