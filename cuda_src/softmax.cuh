@@ -103,16 +103,15 @@ __device__ __forceinline__ float block_reduce(float v) {
 
 __device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
 
-// One row's N values per thread (logits in, outputs out), with the row's max and
-// sum reduced by max_all / sum_all (group or block): max first, then one exp per
-// element against it (kept for softmax), then the sum. No exps inside the
-// reductions, one reciprocal or log per row.
-template <int N, typename MaxAll, typename SumAll>
-__device__ __forceinline__ void softmax_values(float (&v)[N], bool log, MaxAll&& max_all, SumAll&& sum_all) {
+// One row's N values per lane of a WIDTH-lane group (logits in, outputs out): the
+// group max first, then one exp per element against it (kept for softmax), then the
+// group sum. No exps inside the reductions, one reciprocal or log per row.
+template <int N, int WIDTH>
+__device__ __forceinline__ void group_softmax_values(float (&v)[N], bool log) {
   float lm = neg_inf();
 #pragma unroll
   for (int i = 0; i < N; ++i) lm = fmaxf(lm, v[i]);
-  const float m = safe_max(max_all(lm));
+  const float m = safe_max(group_max<WIDTH>(lm));
   float ls = 0.f;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
@@ -120,7 +119,7 @@ __device__ __forceinline__ void softmax_values(float (&v)[N], bool log, MaxAll&&
     ls += e;
     if (!log) v[i] = e;
   }
-  const RowOut r = finish_row(m, sum_all(ls), log);
+  const RowOut r = finish_row(m, group_sum<WIDTH>(ls), log);
 #pragma unroll
   for (int i = 0; i < N; ++i)
     v[i] = log ? (r.empty ? neg_inf() : (v[i] - r.m) - r.log_s) : (r.empty ? 0.f : v[i] * r.inv_s);
@@ -174,8 +173,7 @@ __global__ void __launch_bounds__(kWarpThreads) fwd_warp_kernel(FwdArgs a) {
 #pragma unroll
       for (int k = 0; k < PACK; ++k) v[p * PACK + k] = z[k];
     }
-    softmax_values<N>(v, a.log, [](float m) { return group_max<WIDTH>(m); },
-                      [](float s) { return group_sum<WIDTH>(s); });
+    group_softmax_values<N, WIDTH>(v, a.log);
     if (!valid) continue;
 #pragma unroll
     for (int p = 0; p < VPT; ++p) {

@@ -5,9 +5,9 @@ whole rows as a (block_rows, next_pow2(cols)) tile in registers, masked at the
 column tail and the last row block. Math in float32, one pass over HBM each way.
 
 Masks: `mask` is (mask_rows, cols), bool (True = keep; read in place as PRED
-bytes, no conversion kernel) or floating (added to the scaled logits); row r of x uses mask row
-Σ ((r // inner) % size) * stride over `mask_map`'s (inner, size, stride)
-groups, gathered in the kernel, so broadcast masks are never materialized.
+bytes, no conversion kernel) or floating (added to the scaled logits); row r of
+x uses mask row Σ ((r // inner) % size) * stride over `mask_map`'s (inner, size,
+stride) groups, gathered in the kernel, so broadcast masks are never materialized.
 causal: keep column j of row r iff j <= r % q_len + offset.
 
 Backward from y only (see jax_ops/softmax.py for the formulas); no workspace.

@@ -410,11 +410,11 @@ def test_pallas_column_limit(impl):
 
 # ------------------------------------------------------------ long rows ---
 
-# Rows past 16384 values (the CUDA backward's register tier; the forward's long-row
-# kernel runs from 1025 columns) in the long-row kernels, compiled per mask kind and
-# causal rule; a bool mask or the rule (scale > 0) is folded
-# into its row cache as -inf entries. One case per compiled variant, the fold's
-# exclusions (additive masks, scale <= 0) and the unvectorized runtime path (odd cols).
+# Rows past 16384 values (past the CUDA backward's register tier; the forward's
+# long-row kernel runs from 1025 columns), compiled per mask kind and causal rule; a
+# bool mask or the rule (scale > 0) is folded into the row cache as -inf entries. One
+# case per compiled variant, the fold's exclusions (additive masks, scale <= 0) and
+# the unvectorized runtime path (odd cols).
 LONG = 16392  # a multiple of 8 (vectorized for every dtype), past 16384
 LONG_CASES = [
     # id, dtype, shape, mask kind, mask shape, causal, scale
