@@ -20,47 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ops import dispatch, registry
-from jax_ops.primitive import default_platform, op_calls, query
-
-_CACHE: dict = {"path": None, "mtime": None, "data": {}}
-
-
-def cache_path() -> Path:
-    env = os.environ.get("JAX_OPS_AUTOTUNE_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jax_ops" / "autotune.json"
-
-
-def load_cache() -> dict:
-    """The cache file's contents (re-read when the file changes; {} when absent)."""
-    path = cache_path()
-    try:
-        mtime = path.stat().st_mtime_ns
-    except OSError:
-        return {}
-    if _CACHE["path"] != path or _CACHE["mtime"] != mtime:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            print(f"jax_ops.autotune: ignoring unreadable cache {path}: {e}", file=sys.stderr)
-            data = {}
-        _CACHE.update(path=path, mtime=mtime, data=data)
-    return _CACHE["data"]
-
-
-def _save(data: dict) -> Path:
-    path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic: concurrent readers see the old or the new file
-    return path
-
+from jax_ops.core import cache, dispatch, registry
+from jax_ops.core.calls import op_calls
+from jax_ops.core.op import default_platform, query
+from jax_ops.core.cache import cache_path, load_cache  # noqa: F401 - public: jax_ops.tuning.cache_path
 
 # ---------------------------------------------------------- finding calls ---
 
@@ -185,7 +148,7 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None,
         for r in results:
             bucket[r["key"]] = {k: r[k] for k in ("implementation", "config", "us")}
         data[kind] = bucket
-        path = _save(data)
+        path = cache.save(data)
         if verbose:
             print(f"jax_ops.autotune: {len(results)} winners saved to {path}", file=sys.stderr)
         jax.clear_caches()  # compiled functions re-lower and see the winners

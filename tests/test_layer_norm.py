@@ -29,9 +29,10 @@ from jax.test_util import check_grads
 import jax_ops
 import support
 from jax_ops import _extension
-from jax_ops.registry import Query
+from jax_ops.core import dispatch
+from jax_ops.core.registry import Query
 from pallas_kernels import layer_norm as pallas_norm
-from jax_ops.layer_norm import norm_bwd_p, norm_fwd_p
+from jax_ops.ops.layer_norm import BWD, FWD
 
 FWD_TARGET = "jax_ops_norm_fwd"
 BWD_TARGET = "jax_ops_norm_bwd"
@@ -357,44 +358,41 @@ def test_large_mean_offset_is_stable(op, impl):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("op", OPS)
 def test_primitives_with_stats(op, dtype, impl):
-    """norm_fwd_p with_stats=True returns float32 mean/rstd (float32 accuracy even for
-    bfloat16 x); norm_bwd_p consumes them."""
+    """The forward stage with with_stats=True returns float32 mean/rstd (float32 accuracy
+    even for bfloat16 x); the backward stage consumes them."""
     need(impl)
     rms = op == "rms_norm"
     eps = DEFAULT_EPS[op]
     x, scale, bias, dy = make_inputs(seed_of(f"prim{op}{dtype}"), (2, 3, 1025), dtype, "float32",
                                      None if rms else "float32")
-    none = jnp.zeros((0,), jnp.float32)
-    bias_arg = none if bias is None else bias
-    y, mean, rstd = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=True,
-                                    implementation=impl)[:3]
+    y, mean, rstd = FWD.call(x, scale, bias, epsilon=eps, rms=rms, with_stats=True,
+                             implementation=impl)
     rmean, rrstd = ref_stats(x, eps, rms)
     assert rstd.dtype == jnp.float32 and rstd.shape == (2, 3)
     assert_close("rstd", rstd, rrstd, tol=1e-5, elem_tol=2e-5)
     if rms:
-        assert mean.shape == (0,)
+        assert mean is None
     else:
         assert mean.dtype == jnp.float32 and mean.shape == (2, 3)
         assert_close("mean", mean, rmean, tol=1e-5, elem_tol=2e-5)
     assert_close("y", y, ref_forward(x, scale, bias, eps, rms), tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
 
-    y2, m2, r2 = norm_fwd_p.bind(x, scale, bias_arg, epsilon=eps, rms=rms, with_stats=False,
-                                 implementation=impl)[:3]
-    assert m2.shape == (0,) and r2.shape == (0,)
+    y2, m2, r2 = FWD.call(x, scale, bias, epsilon=eps, rms=rms, with_stats=False,
+                          implementation=impl)
+    assert m2 is None and r2 is None
     if impl == "cuda":  # our kernels compute y the same way either way
         assert bitwise_equal(y, y2), "with_stats must not change y"
     else:  # XLA may fuse the two graphs differently (seen on GPU): last-bit differences
         assert_close("y without stats", y2, y, tol=1e-6, elem_tol=1e-6)
 
-    # (dx, dscale, dbias) lead the backward's results; anything after them is internal.
-    dx, dscale, dbias = norm_bwd_p.bind(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
-                                        dbias_dtype=None if bias is None else bias.dtype,
-                                        implementation=impl)[:3]
+    dx, dscale, dbias = BWD.call(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
+                                 dbias_dtype=None if bias is None else bias.dtype,
+                                 implementation=impl)
     rdx, rds, rdb, dx_scale = ref_backward(dy, x, scale, eps, rms)
     assert_close("dx", dx, rdx, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype], scale=dx_scale)
     assert_close("dscale", dscale, rds, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
     if rms:
-        assert dbias.shape == (0,)
+        assert dbias is None
     else:
         assert dbias.dtype == bias.dtype
         assert_close("dbias", dbias, rdb, tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
@@ -786,7 +784,7 @@ def test_unavailable_implementation_lists_available(op):
     platform and the implementations available there."""
     platform = next(p for p in ("tpu", "rocm") if not _extension.has_target(p, FWD_TARGET))
     with pytest.raises(ValueError, match=rf"implementation='cuda'.*'{platform}'.*\['xla'\]"):
-        jax_ops.dispatch.choose(Query(op, "fwd", platform, (2, 8), "float32"), "cuda")
+        dispatch.choose(Query(op, "fwd", platform, (2, 8), "float32"), "cuda")
     f = jax.jit(lambda x: _err_call(op, x, implementation="cuda"))
     with pytest.raises(ValueError, match=rf"implementation='cuda'.*'{platform}'.*\['xla'\]"):
         jax.export.export(f, platforms=(platform,))(jax.ShapeDtypeStruct((2, 8), jnp.float32))
@@ -805,9 +803,9 @@ def test_backward_primitive_rejects_bad_operands(impl):
     x = jnp.ones((2, 8), f32)
     r = jnp.ones((2,), f32)
     with pytest.raises(TypeError, match=r"dscale and dbias must share a dtype.*float32.*bfloat16"):
-        norm_bwd_p.bind(x, x, r, r, jnp.ones((8,), f32), rms=False, dscale_dtype=jnp.dtype(f32),
-                        dbias_dtype=jnp.dtype(jnp.bfloat16), implementation=impl)
+        BWD.call(x, x, r, r, jnp.ones((8,), f32), rms=False, dscale_dtype=jnp.dtype(f32),
+                 dbias_dtype=jnp.dtype(jnp.bfloat16), implementation=impl)
     x0 = jnp.ones((2, 0), f32)
     with pytest.raises(ValueError, match=r"last axis of size >= 1.*\(2, 0\)"):
-        norm_bwd_p.bind(x0, x0, r, r, jnp.zeros((0,), f32), rms=False, dscale_dtype=None,
-                        dbias_dtype=None, implementation=impl)
+        BWD.call(x0, x0, r, r, None, rms=False, dscale_dtype=None, dbias_dtype=None,
+                 implementation=impl)

@@ -27,7 +27,7 @@ refuses the shape, or whose `automatic` rule declines the call (softmax kernels 
 a non-last axis) is skipped by the automatic choice.
 
 JAX_OPS_EXPLAIN=1 prints every decision as it is made; jax_ops.explain(fn, *args)
-lists them for one function without running it.
+(core/calls.py) lists them for one function without running it.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ import sys
 import threading
 from pathlib import Path
 
-from jax_ops import registry
-from jax_ops.registry import Implementation, Query
+from jax_ops.core import cache, registry
+from jax_ops.core.registry import Implementation, Query
 
 TABLE_DIR = Path(__file__).parent / "tables"
 
@@ -167,10 +167,9 @@ def cache_key(q: Query) -> str:
 
 
 def _from_autotune(q: Query) -> dict | None:
-    from jax_ops import tuning
     if q.device_kind is None or not q.static:
         return None
-    return tuning.load_cache().get(q.device_kind, {}).get(cache_key(q))
+    return cache.load_cache().get(q.device_kind, {}).get(cache_key(q))
 
 
 # ---------------------------------------------------------------- choose ---
@@ -230,22 +229,3 @@ def choose(q: Query, implementation: str | None) -> Decision:
 def _report(d: Decision) -> None:
     if os.environ.get("JAX_OPS_EXPLAIN", "") not in ("", "0"):
         print(f"jax_ops: {d}", file=sys.stderr)
-
-
-class Explanation(list):
-    """Decisions for one function, in program order; str() is a readable table."""
-
-    def __str__(self) -> str:
-        if not self:
-            return "jax_ops.explain: no jax_ops ops in this function"
-        return "\n".join(str(d) for d in self)
-
-
-def explain(fn, *args, platform: str | None = None, **kwargs) -> Explanation:
-    """Which implementation each jax_ops call in fn(*args, **kwargs) gets when lowered for
-    `platform` (default: the default backend's), and why. Traces fn; runs nothing.
-    Forward and backward ops both show when fn takes gradients."""
-    from jax_ops.primitive import default_platform, op_calls, query
-    platform = platform or default_platform()
-    return Explanation(choose(query(prim, avals, params, platform), params["implementation"])
-                       for prim, avals, params in op_calls(fn, *args, **kwargs))

@@ -23,9 +23,9 @@ Roles:
   "cols"    per-column vector (cols,) (scale, bias, BatchNorm channel statistics)
   "colsum"  (cols,) result that is a sum over rows: psum over the row axes
   "mask"    the 1-bit mask of relu/BatchNorm: x's shape with the last axis in uint32
-            words (x.shape[:-1] + (cols // 32,)), or flat (ceil(n/32),) (see relu.py)
+            words (x.shape[:-1] + (cols // 32,)), or flat (ceil(n/32),) (core/bitmask.py)
   "bmask"   softmax mask operand: x's rank, size-1 (broadcast) axes replicated
-  "none"    placeholder or workspace: replicated; a "none" result is zeros
+  "none"    replicated (a "none" result is zeros)
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-WORD = 32  # mask bits per uint32 word
+from jax_ops.core.bitmask import WORD, is_rowwise as mask_is_rowwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +88,6 @@ def _axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def mask_is_rowwise(shape) -> bool:
-    """Whether the mask of x of `shape` has x's shape with the last axis in words."""
-    return len(shape) >= 1 and isinstance(shape[-1], int) and shape[-1] % WORD == 0 and shape[-1] > 0
 
 
 # ------------------------------------------------------------- the rule ---
