@@ -9,7 +9,7 @@ from jax import lax
 
 from jax_ops.batch_norm import batch_norm_add_relu, batch_norm_relu
 from jax_ops.layer_norm import layer_norm, rms_norm
-from jax_ops.primitive import ACT_DTYPES
+from jax_ops.core.op import ACT_DTYPES
 from jax_ops.softmax import softmax
 
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import jax_ops
-from jax_ops import dispatch, registry, tuning
-from jax_ops.registry import Query
-from jax_ops.primitive import default_platform
+from jax_ops import tuning
+from jax_ops.core import dispatch, registry
+from jax_ops.core.registry import Query
+from jax_ops.core.op import default_platform
 
 PLATFORM = default_platform()
 

@@ -809,3 +809,69 @@ def test_backward_primitive_rejects_bad_operands(impl):
     with pytest.raises(ValueError, match=r"last axis of size >= 1.*\(2, 0\)"):
         BWD.call(x0, x0, r, r, None, rms=False, dscale_dtype=None, dbias_dtype=None,
                  implementation=impl)
+
+
+# ------------------------------------------------------------ autodiff ---
+
+def _jnp_norm(op, eps):
+    """The float32 jnp formulation the op computes (the autodiff reference)."""
+    def f(x, scale, bias=None):
+        m = 0.0 if op == "rms_norm" else jnp.mean(x, -1, keepdims=True)
+        v = jnp.mean(jnp.square(x - m), -1, keepdims=True)
+        y = (x - m) * jax.lax.rsqrt(v + eps) * scale
+        return y if bias is None else y + bias
+    return f
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_every_autodiff_mode(op, impl):
+    """jvp, linearize, jacfwd, jacrev, hessian, grad of grad and a Hessian-vector product
+    through the op agree with the same transforms of the jnp reference (f32, 1e-5)."""
+    need(impl)
+    eps = DEFAULT_EPS[op]
+    rng = np.random.default_rng(seed_of(f"ad{op}{impl}"))
+    x = jnp.asarray(rng.standard_normal((3, 7)), f32)
+    params = [jnp.asarray(1 + 0.3 * rng.standard_normal(7), f32)]
+    if op == "layer_norm":
+        params.append(jnp.asarray(0.3 * rng.standard_normal(7), f32))
+    w = jnp.asarray(rng.standard_normal((3, 7)), f32)
+    ours = lambda x, *p: norm(op, x, *p, impl=impl, epsilon=eps)  # noqa: E731
+    ref = _jnp_norm(op, eps)
+    # A scalar function with a non-trivial Hessian in x and the parameters.
+    loss = lambda f: lambda x, *p: jnp.sum(jnp.sin(f(x, *p)) * w)  # noqa: E731
+    tx = jnp.asarray(rng.standard_normal(x.shape), f32)
+    tp = [jnp.asarray(rng.standard_normal(p.shape), f32) for p in params]
+
+    def close(name, a, b):
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            err = float(jnp.linalg.norm((u - v).ravel()) / max(float(jnp.linalg.norm(v.ravel())), 1e-30))
+            assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+    close("jvp", jax.jvp(ours, (x, *params), (tx, *tp)), jax.jvp(ref, (x, *params), (tx, *tp)))
+    y, f_lin = jax.linearize(ours, x, *params)
+    close("linearize", (y, f_lin(tx, *tp)), jax.jvp(ref, (x, *params), (tx, *tp)))
+    close("jacfwd", jax.jacfwd(ours, argnums=(0, 1))(x, *params), jax.jacfwd(ref, argnums=(0, 1))(x, *params))
+    close("jacrev", jax.jacrev(ours, argnums=(0, 1))(x, *params), jax.jacrev(ref, argnums=(0, 1))(x, *params))
+    argnums = tuple(range(1 + len(params)))
+    close("hessian", jax.hessian(loss(ours), argnums)(x, *params), jax.hessian(loss(ref), argnums)(x, *params))
+    gg = lambda f: jax.grad(lambda x, *p: jnp.sum(jax.grad(loss(f), argnums)(x, *p)[0] ** 2), argnums)  # noqa: E731
+    close("grad of grad", gg(ours)(x, *params), gg(ref)(x, *params))
+    hvp = lambda f: jax.jvp(jax.grad(loss(f), argnums), (x, *params), (tx, *tp))[1]  # noqa: E731
+    close("hvp", hvp(ours), hvp(ref))
+    # vmap of grad and grad of vmap fold the batch into rows
+    xb = jnp.stack([x, 2 * x])
+    close("grad(vmap)", jax.grad(lambda xb: jnp.sum(jax.vmap(lambda x: loss(ours)(x, *params))(xb)))(xb),
+          jax.grad(lambda xb: jnp.sum(jax.vmap(lambda x: loss(ref)(x, *params))(xb)))(xb))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_reverse_mode_runs_the_backward_kernel(op):
+    """grad is the forward stage with statistics plus the backward stage: the tangent map
+    (jnp) only serves forward mode, and is transposed away in reverse mode."""
+    x, s = jnp.ones((4, 8), f32), jnp.ones((8,), f32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, s: norm(op, x, s).sum(), (0, 1)))(x, s))
+    assert "jax_ops_norm_bwd" in jaxpr and "with_stats=True" in jaxpr
+    assert "tangent" not in jaxpr
+    jvp_jaxpr = str(jax.make_jaxpr(lambda x, t: jax.jvp(lambda x: norm(op, x, s), (x,), (t,)))(x, x))
+    assert "jax_ops_norm_fwd_tangent" in jvp_jaxpr and "jax_ops_norm_bwd" not in jvp_jaxpr

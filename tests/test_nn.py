@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ops
-from jax_ops import primitive
+from jax_ops.core.calls import op_names
 from support import need
 
 import jax_ops.nn as jnn  # noqa: E402  (flax must import first for the error to be clear)
@@ -62,7 +62,7 @@ def same_layout(a, b):
 
 def ops_used(fn, *args) -> set[str]:
     """jax_ops ops in fn's jaxpr."""
-    return {primitive.PRIMITIVES[p][1](params) for p, _, params in primitive.op_calls(fn, *args)}
+    return op_names(fn, *args)
 
 
 def randomize(variables, key):
