@@ -66,7 +66,8 @@ Supports = Callable[[Query], "tuple[bool, str] | bool"]
 class Implementation:
     """One way to run an op.
 
-    lower[stage](ctx, *operands, platform=, config=, **primitive params) -> MLIR values.
+    lower[stage](call, *operands or None, **params) -> results or None: a JAX-traceable
+      stage function (core/op.py: `call.config`, `call.interpret`, `call.out_avals`).
     supports(query) -> (ok, reason) or bool.
     configs(query) -> tunable parameter sets autotune tries (first = default), or None.
     prefer: the automatic choice takes it, where it is supported, over the measured
