@@ -1,10 +1,10 @@
 """jax_ops.autotune: time every implementation (and tunable config) of the ops in a
 function on this device, and keep the winners for later automatic choices.
 
-Cache file: $JAX_OPS_AUTOTUNE_CACHE, else $XDG_CACHE_HOME/jax_ops/autotune.json, else
-~/.cache/jax_ops/autotune.json. JSON: {device kind: {"op|stage|dtype|shape": entry}},
-entry = {"implementation", "config", "us": {candidate: median microseconds}}.
-Entries are exact-shape; other shapes keep using the measured table / heuristics.
+The cache file (core/cache.py: where it lives, its versioned format): per device kind,
+"op|stage|dtype|shape" -> {"implementation", "config", "us": {candidate: median
+microseconds}, "version"}. Entries are exact-shape; other shapes keep using the measured
+table / heuristics.
 """
 from __future__ import annotations
 
@@ -143,12 +143,8 @@ def autotune(fn: Callable, *args, implementations: Sequence[str] | None = None,
                   f"({len(times)} candidates; next {', '.join(f'{k} {v[0]:.1f}us' for k, v in sorted(times.items(), key=lambda kv: kv[1][0])[1:4])})",
                   file=sys.stderr)
     if results:
-        data = dict(load_cache())
-        bucket = dict(data.get(kind, {}))
-        for r in results:
-            bucket[r["key"]] = {k: r[k] for k in ("implementation", "config", "us")}
-        data[kind] = bucket
-        path = cache.save(data)
+        path = cache.store(kind, {r["key"]: {k: r[k] for k in ("implementation", "config", "us")}
+                                  for r in results})
         if verbose:
             print(f"jax_ops.autotune: {len(results)} winners saved to {path}", file=sys.stderr)
         jax.clear_caches()  # compiled functions re-lower and see the winners

@@ -11,9 +11,10 @@ import pytest
 
 import jax_ops
 from jax_ops import tuning
-from jax_ops.core import dispatch, registry
+from jax_ops.core import cache, dispatch, registry
+from jax_ops.core.calls import op_calls
 from jax_ops.core.registry import Query
-from jax_ops.core.op import default_platform
+from jax_ops.core.op import default_platform, query
 
 PLATFORM = default_platform()
 
@@ -201,8 +202,9 @@ def test_register_implementation_errors():
 
 # -------------------------------------------------------- measured tables ---
 
-def _table(kind, entries):
-    return {"device_kind": kind, "command": "test", "_path": "test.json", "entries": entries}
+def _table(kind, entries, cc="9.0", sms=132):
+    return {"device_kind": kind, "compute_capability": cc, "sm_count": sms, "command": "test",
+            "_path": "test.json", "entries": entries}
 
 
 def _entry(op, stage, dtype, rows, cols, **us):
@@ -217,8 +219,16 @@ def test_table_lookup_picks_nearest_entry_fastest_supported(monkeypatch):
     ])
     monkeypatch.setattr(dispatch, "_tables", lambda: (table,))
     assert dispatch.table_for("NVIDIA H200") is table
-    assert dispatch.table_for("NVIDIA H200 NVL") is table  # same model
+    # another SKU with the same compute capability and SM count: the table, and why
+    nvl = dispatch.Device("NVIDIA H200 NVL", "9.0", 132)
+    assert dispatch.table_for(nvl) is table
+    assert "same compute capability 9.0 and 132 SMs as NVIDIA H200 NVL" in dispatch.table_match(nvl)[1]
+    # fewer SMs (an H100 PCIe has 114), another generation, or nothing known: heuristics
+    assert dispatch.table_for(dispatch.Device("NVIDIA H100 PCIe", "9.0", 114)) is None
+    assert dispatch.table_for(dispatch.Device("NVIDIA A100-SXM4-80GB", "8.0", 108)) is None
     assert dispatch.table_for("NVIDIA A100-SXM4-80GB") is None
+    assert "no measured table for NVIDIA H100 PCIe (compute capability 9.0, 114 SMs): heuristics" == \
+        dispatch.table_match(dispatch.Device("NVIDIA H100 PCIe", "9.0", 114))[1]
     impls = {i.name: i for i in registry.all_of("layer_norm")}
 
     def pick(stage, cols, names=("xla", "cuda", "pallas"), dtype="bfloat16"):
@@ -256,9 +266,14 @@ def test_shipped_tables_are_well_formed():
     tables = dispatch._tables()
     # H100 and H200 tables ship inside the package (installed, not just in the source tree).
     assert {"NVIDIA H100 80GB HBM3", "NVIDIA H200"} <= {t["device_kind"] for t in tables}
-    assert dispatch.table_for("NVIDIA H100 PCIe")["device_kind"] == "NVIDIA H100 80GB HBM3"
+    # H100 NVL and GH200 (132 SMs, compute capability 9.0) use the H100's; the H100 PCIe
+    # (114 SMs) none: a table is matched on the properties that set its times.
+    assert dispatch.table_for(dispatch.Device("NVIDIA H100 NVL", "9.0", 132))["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert dispatch.table_for(dispatch.Device("NVIDIA GH200 480GB", "9.0", 132))["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert dispatch.table_for(dispatch.Device("NVIDIA H100 PCIe", "9.0", 114)) is None
     for t in tables:
         assert t["device_kind"] and t["command"] and t["entries"], t["_path"]
+        assert t["compute_capability"] and t["sm_count"] > 0, t["_path"]
         for e in t["entries"]:
             assert e["stage"] in ("fwd", "fwd_stats", "fwd_mask", "bwd") and e["op"] in registry.ops()
             assert set(e["us"]) <= set(jax_ops.IMPLEMENTATIONS) and min(e["us"].values()) > 0
@@ -279,7 +294,9 @@ def test_autotune_times_candidates_and_caches_winners(tmp_cache, capsys):
     assert "jax_ops.autotune [1/2] layer_norm fwd+stats float32[16,64]" in err and "saved to" in err
     data = json.loads(tmp_cache.read_text())
     kind = dispatch.device_kind(PLATFORM)
-    assert set(data[kind]) == {"layer_norm|fwd_stats|float32|16,64", "layer_norm|bwd|float32|16,64"}
+    assert data["format"] == cache.FORMAT
+    assert set(data["devices"][kind]) == {"layer_norm|fwd_stats|float32|16,64", "layer_norm|bwd|float32|16,64"}
+    assert {e["version"] for e in data["devices"][kind].values()} == {cache.library_version()}
     # Later automatic choices follow the cache...
     decisions = jax_ops.explain(grad, x, s, b)
     assert [d.implementation for d in decisions] == [r["implementation"] for r in results]
@@ -290,7 +307,9 @@ def test_autotune_times_candidates_and_caches_winners(tmp_cache, capsys):
     assert all(d.reason != "autotune cache" for d in other)
     # A hand-edited cache entry steers the choice (and is bitwise what it names).
     assert jax_ops.explain(jax_ops.layer_norm, x, s, b)[0].reason != "autotune cache"  # inference fwd
-    data[kind]["layer_norm|fwd|float32|16,64"] = {"implementation": "pallas", "config": {"block_rows": 4, "num_warps": 1}, "us": {}}
+    data["devices"][kind]["layer_norm|fwd|float32|16,64"] = {
+        "implementation": "pallas", "config": {"block_rows": 4, "num_warps": 1}, "us": {},
+        "version": cache.library_version()}
     tmp_cache.write_text(json.dumps(data))
     d = jax_ops.explain(jax_ops.layer_norm, x, s, b)[0]
     assert (d.implementation, d.config) == ("pallas", {"block_rows": 4, "num_warps": 1})
@@ -298,12 +317,42 @@ def test_autotune_times_candidates_and_caches_winners(tmp_cache, capsys):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jax_ops.layer_norm(x, s, b, implementation="pallas")))
 
 
-def test_autotune_cache_unreadable_is_ignored(tmp_cache, capsys):
-    tmp_cache.write_text("{not json")
+@pytest.mark.parametrize("content, warning", [
+    ("{not json", "ignoring unreadable autotune cache"),
+    ("[1, 2]", "not a JSON object"),
+    # the format of earlier builds: {device kind: {key: entry}}
+    ('{"cpu": {"layer_norm|fwd|float32|4,32": {"implementation": "pallas", "config": {}}}}',
+     "format None, expected 2"),
+])
+def test_autotune_cache_unreadable_or_foreign_is_ignored_with_a_warning(tmp_cache, content, warning):
+    cache._WARNED.clear()
+    tmp_cache.write_text(content)
     x, s, b = _inputs()
-    assert jax_ops.explain(jax_ops.layer_norm, x, s, b)[0].reason != "autotune cache"
-    assert "ignoring unreadable cache" in capsys.readouterr().err
+    with pytest.warns(cache.AutotuneCacheWarning, match=warning):
+        d = jax_ops.explain(jax_ops.layer_norm, x, s, b)[0]
+    assert d.reason != "autotune cache"
     assert tuning.cache_path() == tmp_cache
+
+
+@pytest.mark.parametrize("entry, warning", [
+    # another jax_ops version measured it
+    ({"implementation": "pallas", "config": None, "version": "0.0.1"}, "measured by jax_ops 0.0.1"),
+    # a config the kernel no longer takes (the KeyError: 'block_rows' of older builds)
+    ({"implementation": "pallas", "config": {"tile": 7}, "version": None}, "not an implementation/config"),
+    ({"implementation": "gone", "config": None, "version": None}, "not an implementation/config"),
+])
+def test_stale_autotune_entries_are_ignored_with_a_warning(tmp_cache, entry, warning):
+    cache._WARNED.clear()
+    x, s, b = _inputs()
+    kind = dispatch.device_kind(PLATFORM)
+    entry = dict(entry, version=entry["version"] or cache.library_version(), us={})
+    key = dispatch.cache_key(query(*op_calls(jax_ops.layer_norm, x, s, b)[0], PLATFORM))
+    tmp_cache.write_text(json.dumps({"format": cache.FORMAT, "devices": {kind: {key: entry}}}))
+    with pytest.warns(cache.AutotuneCacheWarning, match=warning):
+        d = jax_ops.explain(jax_ops.layer_norm, x, s, b)[0]
+    assert d.reason != "autotune cache"
+    y = jax.jit(jax_ops.layer_norm)(x, s, b)  # lowering is unaffected
+    assert bool(jnp.all(jnp.isfinite(y)))
 
 
 def test_masked_softmax_has_its_own_table_stage():

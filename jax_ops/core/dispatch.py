@@ -15,7 +15,9 @@ static shapes, in this order:
    statistics; timed as fwd_bwd - bwd), "fwd_mask" (masked or causal softmax) and
    "bwd"; a stage without entries falls back to the plain stage's. An op this GPU's
    table has no entries for (added after its run) uses the table of a GPU of the same
-   generation that has them (H200 <- H100; the reason names the file).
+   compute capability that has them (H200 <- H100; the reason names the file). A GPU
+   without its own table uses one measured on a GPU with the same compute capability
+   and SM count (core/dispatch.table_match; the reason says which and why).
 5. heuristics, for GPUs without a table and for other platforms:
    - cuda platform: "cuda" (the hand kernels) where built, else "pallas", else "xla";
    - CPU: "xla". XLA's multi-threaded CPU code beat our single-threaded host
@@ -61,20 +63,54 @@ class Decision:
 
 # ------------------------------------------------------------ device kind ---
 
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the table lookup matches on: jax's device kind, the compute capability and
+    the multiprocessor count (None where unknown: CPU, export without a GPU)."""
+    kind: str
+    compute_capability: str | None = None
+    sm_count: int | None = None
+
+    def describe(self) -> str:
+        props = [f"compute capability {self.compute_capability}" if self.compute_capability else "",
+                 f"{self.sm_count} SMs" if self.sm_count else ""]
+        props = ", ".join(p for p in props if p)
+        return f"{self.kind} ({props})" if props else self.kind
+
+
 @functools.lru_cache(maxsize=None)
 def device_kind(platform: str) -> str | None:
     """The device kind jax reports for the platform's first device, e.g. "NVIDIA H200"."""
+    d = _first_device(platform)
+    return None if d is None else d.device_kind
+
+
+def _first_device(platform: str):
     import jax
     for backend in (platform, "gpu" if platform in ("cuda", "rocm") else None):
         try:
-            return jax.devices(backend)[0].device_kind if backend else None
+            return jax.devices(backend)[0] if backend else None
         except Exception:  # platform absent (e.g. lowering for export)
             continue
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def device(kind: str | None) -> Device | None:
+    """The properties of the local device of this kind (kind alone if none is here)."""
+    if kind is None:
+        return None
+    import jax
+    for d in jax.devices():
+        if d.device_kind == kind:
+            cc = getattr(d, "compute_capability", None)
+            sms = getattr(d, "core_count", None)
+            return Device(kind, str(cc) if cc else None, int(sms) if sms else None)
+    return Device(kind)
+
+
 def _model(kind: str | None) -> str | None:
-    """"NVIDIA H100 80GB HBM3" -> "H100"; used to match tables across SKUs."""
+    """"NVIDIA H100 80GB HBM3" -> "H100"."""
     m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", kind or "")
     return m.group(1) if m else None
 
@@ -92,19 +128,37 @@ def _tables() -> tuple[dict, ...]:
     return tuple(out)
 
 
-def table_for(kind: str | None) -> dict | None:
-    """The measured table of this GPU: same device kind, else same model (H100, H200...)."""
-    if kind is None:
-        return None
+def _table_device(t: dict) -> Device:
+    return Device(t.get("device_kind", ""), t.get("compute_capability"), t.get("sm_count"))
+
+
+def table_match(dev: Device | str | None) -> tuple[dict | None, str]:
+    """The measured table that applies to `dev` and why: the table measured on this
+    device kind, else one measured on a GPU with the same compute capability and SM
+    count (same model preferred: H100 NVL, GH200 <- H100 SXM); else none (heuristics).
+    A GPU with another SM count (H100 PCIe: 114) gets none: its times differ."""
+    if isinstance(dev, str):
+        dev = device(dev)
+    if dev is None:
+        return None, "no GPU: heuristics"
     tables = _tables()
     for t in tables:
-        if t.get("device_kind") == kind:
-            return t
-    model = _model(kind)
-    for t in tables:
-        if model is not None and _model(t.get("device_kind")) == model:
-            return t
-    return None
+        if t.get("device_kind") == dev.kind:
+            return t, f"{t['_path']}, measured on this GPU ({dev.kind})"
+    alike = [t for t in tables if dev.compute_capability and dev.sm_count
+             and _table_device(t).compute_capability == dev.compute_capability
+             and _table_device(t).sm_count == dev.sm_count]
+    alike.sort(key=lambda t: _model(t.get("device_kind")) != _model(dev.kind))
+    if alike:
+        t = alike[0]
+        return t, (f"{t['_path']}, measured on {t['device_kind']}: same compute capability "
+                   f"{dev.compute_capability} and {dev.sm_count} SMs as {dev.kind}")
+    return None, f"no measured table for {dev.describe()}: heuristics"
+
+
+def table_for(dev: Device | str | None) -> dict | None:
+    """The measured table that applies to this device (see table_match), or None."""
+    return table_match(dev)[0]
 
 
 def _distance(q: Query, e: dict) -> float:
@@ -114,20 +168,16 @@ def _distance(q: Query, e: dict) -> float:
     return d + (0.0 if e["dtype"] == q.dtype else 0.5)
 
 
-def _generation(kind: str | None) -> str | None:
-    """"H100" -> "H": GPUs of one architecture generation (Hopper: H100, H200)."""
-    model = _model(kind)
-    return model[0] if model else None
-
-
 def _table_with_op(q: Query) -> dict | None:
     """This GPU's table; where it has no entry for q's op (an op added after that GPU's
-    run), the table of another GPU of the same generation that has (H200 <- H100)."""
+    run), the table of another GPU of the same compute capability that has (H200 <-
+    H100)."""
     table = table_for(q.device_kind)
     if table is None or any(e["op"] == q.op for e in table["entries"]):
         return table
+    cc = _table_device(table).compute_capability
     for other in _tables():
-        if (_generation(other.get("device_kind")) == _generation(q.device_kind)
+        if (cc and _table_device(other).compute_capability == cc
                 and any(e["op"] == q.op for e in other["entries"])):
             return other
     return table
@@ -147,8 +197,10 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     timed = sorted((t, n) for n, t in best["us"].items() if n in candidates)
     name = timed[0][1]
     times = ", ".join(f"{n} {t:.1f}us" for t, n in timed)
+    source = table_match(q.device_kind)[1] if table is table_for(q.device_kind) else \
+        f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {q.op})"
     return name, (f"measured table {table['_path']} at {best['dtype']}[{best['rows']},"
-                  f"{best['cols']}]: {times}")
+                  f"{best['cols']}]: {times} [{source}]")
 
 
 # ---------------------------------------------------------- autotune cache ---
@@ -166,10 +218,27 @@ def cache_key(q: Query) -> str:
     return f"{q.op}|{q.table_stage}|{q.dtype}|{','.join(str(d) for d in q.shape)}"
 
 
-def _from_autotune(q: Query) -> dict | None:
+def _from_autotune(q: Query, impl_of: dict[str, Implementation]) -> dict | None:
+    """This device's autotune winner for q, if it is still valid: its implementation
+    exists and can serve q, and its config has the keys of the implementation's configs
+    (an entry from an older build may name parameters that no longer exist: ignored,
+    with a warning)."""
     if q.device_kind is None or not q.static:
         return None
-    return cache.load_cache().get(q.device_kind, {}).get(cache_key(q))
+    entry = cache.entries(q.device_kind).get(cache_key(q))
+    if entry is None:
+        return None
+    impl = impl_of.get(entry.get("implementation"))
+    config = entry.get("config")
+    default = None if impl is None else impl.default_config(q)
+    valid = impl is not None and (config is None if default is None else
+                                  isinstance(config, dict) and set(config) == set(default))
+    if not valid:
+        cache.warn_once(f"ignoring autotune entry {cache_key(q)} for {q.device_kind}: "
+                        f"{entry.get('implementation')!r} with config {config} is not an "
+                        "implementation/config this build offers (re-run jax_ops.autotune)")
+        return None
+    return entry
 
 
 # ---------------------------------------------------------------- choose ---
@@ -205,8 +274,8 @@ def choose(q: Query, implementation: str | None) -> Decision:
     if not ok:  # "xla" supports everything; only reachable with a broken registry
         raise ValueError(f"jax_ops.{q.op}: no implementation can run {q.describe()}")
 
-    tuned = _from_autotune(q)
-    if tuned is not None and tuned["implementation"] in ok:
+    tuned = _from_autotune(q, ok)
+    if tuned is not None:
         return decide(tuned["implementation"], "autotune cache", tuned.get("config"))
 
     preferred = [n for n, i in ok.items() if i.prefer]
@@ -217,10 +286,10 @@ def choose(q: Query, implementation: str | None) -> Decision:
     if picked is not None:
         return decide(*picked)
     if q.platform == "cuda":
-        for name, why in (("cuda", "hand kernels (no measured table for this GPU)"),
-                          ("pallas", "Pallas kernels (CUDA kernels not built)")):
+        why_no_table = table_match(q.device_kind)[1]
+        for name, why in (("cuda", "hand kernels"), ("pallas", "Pallas kernels (CUDA kernels not built)")):
             if name in ok:
-                return decide(name, f"heuristic: {why}")
+                return decide(name, f"heuristic: {why} ({why_no_table})")
     return decide("xla", f"heuristic: XLA on {q.platform}")
 
 
