@@ -337,7 +337,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnReluFwdCpu, jax_ops::bn::BnReluFwdCpu, JO_
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnReluBwdCpu, jax_ops::bn::BnReluBwdCpu, JO_BN_RELU_BWD_SIGNATURE(ffi::Ffi::Bind()));
 #ifdef JAX_OPS_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnReluFwdCuda, jax_ops::bn::BnReluFwdCuda,
-                              JO_BN_RELU_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_BN_RELU_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnReluBwdCuda, jax_ops::bn::BnReluBwdCuda,
-                              JO_BN_RELU_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_BN_RELU_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 #endif

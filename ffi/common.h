@@ -118,6 +118,13 @@ ffi::Error dispatch_activation(ffi::DataType t, const char* name, Fn&& fn) {
 }
 
 #ifdef JAX_OPS_WITH_CUDA
+// Our CUDA handlers may be recorded into XLA's command buffers (CUDA graphs): they only
+// enqueue work on the stream XLA gives them (kernel launches, cudaMemsetAsync,
+// cudaMemcpyAsync), never synchronize, allocate or read device memory on the host, and
+// their launch configurations depend only on shapes, attributes and buffer addresses
+// (XLA re-records a traced custom call when the addresses change).
+#define JO_CUDA_TRAITS {ffi::Traits::kCmdBufferCompatible}
+
 // A CUDA return code as the handler's result: Internal error naming the failed step.
 inline ffi::Error cuda_status(cudaError_t err, const char* what) {
   return err == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cuda_error_message(what, err));

@@ -39,5 +39,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsDeviceCopyCpu, jax_ops::DeviceCopyCpu,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 #ifdef JAX_OPS_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsDeviceCopyCuda, jax_ops::DeviceCopyCuda,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(), JO_CUDA_TRAITS);
 #endif

@@ -256,7 +256,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCpu, jax_ops::norm::NormFwdCpu, JO_NO
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCpu, jax_ops::norm::NormBwdCpu, JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind()));
 #ifdef JAX_OPS_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCuda, jax_ops::norm::NormFwdCuda,
-                              JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCuda, jax_ops::norm::NormBwdCuda,
-                              JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 #endif

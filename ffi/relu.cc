@@ -113,7 +113,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsReluFwdCpu, jax_ops::relu::ReluFwdCpu, JO_RE
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsReluBwdCpu, jax_ops::relu::ReluBwdCpu, JO_RELU_BWD_SIGNATURE(ffi::Ffi::Bind()));
 #ifdef JAX_OPS_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsReluFwdCuda, jax_ops::relu::ReluFwdCuda,
-                              JO_RELU_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_RELU_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsReluBwdCuda, jax_ops::relu::ReluBwdCuda,
-                              JO_RELU_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_RELU_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 #endif

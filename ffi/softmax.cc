@@ -205,7 +205,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxFwdCpu, jax_ops::softmax::SoftmaxFwdC
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxBwdCpu, jax_ops::softmax::SoftmaxBwdCpu, JO_SOFTMAX_BWD_SIGNATURE(ffi::Ffi::Bind()));
 #ifdef JAX_OPS_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxFwdCuda, jax_ops::softmax::SoftmaxFwdCuda,
-                              JO_SOFTMAX_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_SOFTMAX_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsSoftmaxBwdCuda, jax_ops::softmax::SoftmaxBwdCuda,
-                              JO_SOFTMAX_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+                              JO_SOFTMAX_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 #endif
