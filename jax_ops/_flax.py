@@ -7,10 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_ops.batch_norm import batch_norm_add_relu, batch_norm_relu
-from jax_ops.layer_norm import layer_norm, rms_norm
+from jax_ops import batch_norm_add_relu, batch_norm_relu, layer_norm, rms_norm, softmax
 from jax_ops.core.op import ACT_DTYPES
-from jax_ops.softmax import softmax
 
 
 def _axes(ndim: int, axes) -> tuple[int, ...]:
