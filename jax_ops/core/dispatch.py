@@ -44,7 +44,7 @@ from pathlib import Path
 from jax_ops.core import cache, registry
 from jax_ops.core.registry import Implementation, Query
 
-TABLE_DIR = Path(__file__).parent / "tables"
+TABLE_DIR = Path(__file__).parent.parent / "tables"  # jax_ops/tables
 
 
 @dataclasses.dataclass(frozen=True)
