@@ -360,14 +360,15 @@ def test_masked_softmax_has_its_own_table_stage():
     order differs from the unmasked one); a non-last axis is 'strided' and leaves the
     kernels out of the automatic choice."""
     import json
-    from jax_ops.softmax import softmax_fwd_p
-    from jax_ops.primitive import query
+    from jax_ops.core.op import query
+    from jax_ops.ops.softmax import FWD
     x = jnp.zeros((4, 8, 1024), jnp.bfloat16)
-    params = dict(axis=-1, scale=1.0, log=False, causal=True, mask_kind="none", implementation=None)
-    q = query(softmax_fwd_p, (x, jnp.zeros((0,))), params, "cuda")
+    params = dict(axis=-1, scale=1.0, log=False, causal=True, mask_kind="none", implementation=None,
+                  present=(True, False))  # no mask: only x is bound
+    q = query(FWD.prim, (x,), params, "cuda")
     assert (q.variant, q.table_stage) == ("mask", "fwd_mask")
-    assert query(softmax_fwd_p, (x, jnp.zeros((0,))), dict(params, causal=False), "cuda").variant == ""
-    strided = query(softmax_fwd_p, (x, jnp.zeros((0,))), dict(params, axis=-2, causal=False), "cuda")
+    assert query(FWD.prim, (x,), dict(params, causal=False), "cuda").variant == ""
+    strided = query(FWD.prim, (x,), dict(params, axis=-2, causal=False), "cuda")
     assert strided.variant == "strided" and strided.cols == 8
     impls = {i.name: i for i in registry.all_of("softmax")}
     assert impls["cuda"].why_not_automatic(strided) is not None

@@ -3,7 +3,9 @@
 Everything is checked against a float64 NumPy reference written here (forward, the
 analytic backward, and the additive mask's gradient), for every implementation that
 can lower on the platform jax runs on (the host CPU in CI: "cuda" means our C++ host
-handlers there, "pallas" the Pallas interpreter).
+handlers there, "pallas" the Pallas interpreter). Derivatives of every order (forward
+mode, Hessians) are checked against those of jax.nn.softmax / log_softmax instead
+(test_autodiff_matches_jnp_reference).
 
 Reference: z = x * scale (+ additive mask), masked elements (bool mask False, causal,
 additive -inf, x == -inf) are -inf; softmax = exp(z - max) / sum, all zeros on a
@@ -801,6 +803,101 @@ def test_jacrev_matches_reference_jacobian(impl):
             e[idx] = 1.0
             ref[idx] = ref_backward(y, e, scale=0.5, log=log)[0]
         np.testing.assert_allclose(f64(jac), ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------- autodiff of every order ---
+
+AUTODIFF_CASES = ("plain", "scale", "add_mask", "bool_mask", "causal")
+
+
+def jnp_softmax(op, x, *, scale=None, mask=None, causal=False):
+    """The autodiff tests' jnp reference: jax.nn.softmax / log_softmax of the float32
+    logits x * scale (+ an additive mask) over the last axis, where= the entries a bool
+    mask and the causal rule keep (elsewhere softmax 0, log_softmax -inf)."""
+    z = x.astype(jnp.float32) * (1.0 if scale is None else scale)
+    keep = None
+    if mask is not None and mask.dtype == jnp.bool_:
+        keep = jnp.broadcast_to(mask, x.shape)
+    elif mask is not None:
+        z = z + mask.astype(jnp.float32)
+    if causal:
+        q, k = x.shape[-2:]
+        tri = jnp.broadcast_to(jnp.arange(k)[None, :] <= jnp.arange(q)[:, None] + (k - q), x.shape)
+        keep = tri if keep is None else keep & tri
+    return (jax.nn.log_softmax if op == "log_softmax" else jax.nn.softmax)(z, axis=-1, where=keep)
+
+
+@partial(jax.jit, static_argnums=(0, 1, 4))
+def every_derivative(y, loss, args, tangents, argnums):
+    """{kind: result} of every kind of differentiation of y(*args) and of the scalar
+    loss(*args) with respect to args[argnums]: forward mode, reverse mode, second order."""
+    grad = jax.grad(loss, argnums)
+
+    def linearized(*a):
+        out, lin = jax.linearize(y, *a)
+        return out, lin(*tangents)
+
+    def grad_dot_tangents(*a):  # <grad loss, t>: its gradient is the Hessian times t
+        return sum(jnp.vdot(g, t) for g, t in zip(grad(*a), tangents))
+
+    return {
+        "jvp": jax.jvp(y, args, tangents),
+        "linearize": linearized(*args),
+        "jacfwd": jax.jacfwd(y, argnums)(*args),
+        "jacrev": jax.jacrev(y, argnums)(*args),
+        "grad": grad(*args),
+        "hessian": jax.hessian(loss, argnums)(*args),
+        "grad_of_grad": jax.grad(grad_dot_tangents, argnums)(*args),
+        "hvp": jax.jvp(grad, args, tangents)[1],
+        "grad_of_jvp": jax.grad(lambda *a: jax.jvp(loss, a, tangents)[1], argnums)(*args),
+    }
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", AUTODIFF_CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_autodiff_matches_jnp_reference(op, case, impl):
+    """jvp, linearize, jacfwd, jacrev, grad, hessian, grad of grad, jvp of grad (a
+    Hessian-vector product) and grad of jvp equal the jnp reference's (1e-5 relative),
+    with a scale, an additive mask (differentiated too), a bool mask or the causal rule;
+    reverse mode runs the backward stage, not the tangent map."""
+    need(impl)
+    rng = np.random.default_rng(seed_of(f"autodiff{op}{case}"))
+    shape = (2, 3, 5)  # causal: q = 3 <= k = 5, no fully masked row
+    x, w = make_x(rng, shape, spread=1.0), make_x(rng, shape, spread=1.0)
+    kw = {"scale": -0.7} if case == "scale" else {"causal": True} if case == "causal" else {}
+    if case == "bool_mask":  # key padding; column 0 kept, so no row is fully masked
+        kw["mask"] = jnp.asarray(rng.random((2, 1, 5)) > 0.4).at[..., 0].set(True)
+    args = (x,)
+    if case == "add_mask":  # broadcast over the leading axis: its gradient sums over it
+        args = (x, jnp.asarray(rng.standard_normal((3, 5)), jnp.float32))
+    tangents = tuple(make_x(rng, a.shape, spread=1.0) for a in args)
+    argnums = tuple(range(len(args)))
+
+    def model(softmax_fn):
+        def y(x, *add):
+            return softmax_fn(x, **(dict(kw, mask=add[0]) if add else kw))
+
+        def loss(*a):  # scalar, nonlinear in y; masked log_softmax outputs (-inf) dropped
+            out = y(*a)
+            return jnp.sum(jnp.sin(jnp.where(jnp.isneginf(out), 0.0, out)) * w)
+        return y, loss
+
+    ours = model(lambda x, **k: call(op, x, impl=impl, **k))
+    ref = model(partial(jnp_softmax, op))
+    got = every_derivative(*ours, args, tangents, argnums)
+    want = every_derivative(*ref, args, tangents, argnums)
+    for name in want:
+        leaves_got, leaves_want = jax.tree.leaves(got[name]), jax.tree.leaves(want[name])
+        assert len(leaves_got) == len(leaves_want), name
+        for i, (a, b) in enumerate(zip(leaves_got, leaves_want)):
+            assert a.shape == b.shape and a.dtype == b.dtype, \
+                f"{name}[{i}]: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+            assert_close(f"{op} {case} {name}[{i}]", a, b, tol=1e-5)
+
+    text = str(jax.make_jaxpr(jax.grad(ours[1], argnums))(*args))
+    assert "jax_ops_softmax_bwd" in text, text
+    assert "_tangent" not in text, text
 
 
 # -------------------------------------------------------------------- vmap ---

@@ -1,17 +1,17 @@
-"""Softmax and LogSoftmax over any axis, as JAX primitives with a custom VJP.
+"""Softmax and LogSoftmax over any axis: the declaration (core/op.py).
 
-Forward primitive  jax_ops_softmax_fwd(x, mask) -> (y,)
-Backward primitive jax_ops_softmax_bwd(y, dy) -> (dx,)
+Forward stage  jax_ops_softmax_fwd(x, mask?) -> (y,)
+Backward stage jax_ops_softmax_bwd(y, dy) -> (dx,)
 
 Params: axis (negative: counted from the end, so batching never shifts it), scale,
-log (log_softmax), causal, mask_kind ("none" | "bool" | "add"). The mask operand
-has x's rank (a broadcast mask keeps its size-1 axes; absent: a zero-element
-float32 array). Logits z = x * scale, then the mask (bool: False -> -inf; additive:
-+ mask) and the causal rule (x is (..., q, k): keep j <= i + k - q, bottom-right
-aligned). Math in float32, y in x's dtype.
+log (log_softmax), causal, mask_kind ("none" | "bool" | "add"). The mask operand,
+where present, has x's rank (a broadcast mask keeps its size-1 axes). Logits
+z = x * scale, then the mask (bool: False -> -inf; additive: + mask) and the causal
+rule (x is (..., q, k): keep j <= i + k - q, bottom-right aligned). Math in float32,
+y in x's dtype.
 
 Rows whose logits are all -inf (fully masked): softmax 0, log_softmax -inf.
-The VJP keeps y only:
+Reverse mode keeps y only:
   softmax      dx = scale * y * (dy - Σ dy·y)
   log_softmax  dx = scale * (dy - exp(y) * Σ dy), 0 where y = -inf (masked)
 An additive mask gets the logits' gradient dz = dx / scale, summed over the axes
@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import math
 import numbers
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from jax_ops import registry
-from jax_ops.sharding import Rules
-from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, ffi_supports, jnp_lowering, match_vma, pallas_lowering,
-                               pallas_supports, user_lowerings)
+from jax_ops.core import registry
+from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi_supports, match_vma,
+                             pallas_supports)
+from jax_ops.core.op import dtype_name as _fmt_dtype
 from pallas_kernels import softmax as pallas_softmax
 
 _F32 = jnp.dtype(jnp.float32)
@@ -87,7 +85,7 @@ def _check_scale(op, scale) -> float:
 
 def _prepare_mask(op, x, mask):
     """The mask with x's rank (float masks widened to float32 unless in x's dtype);
-    raises on bad dtype or shape. Its kind follows from its dtype (see _bind_fwd)."""
+    raises on bad dtype or shape. Its kind follows from its dtype (_mask_kind)."""
     if mask is None:
         return None
     mask = jnp.asarray(mask)
@@ -132,20 +130,10 @@ def mask_groups(x_shape, mask_shape) -> list[tuple[int, int, int]]:
     return groups or [(1, 1, 0)]
 
 
-def _kernel_layout(x, mask, axis, mask_kind):
-    """x and mask with the softmax axis last, the mask's last axis at full length and
-    at most MAX_MASK_GROUPS groups (else materialized); (x, mask2d | None, groups)."""
-    x = jnp.moveaxis(x, axis, -1)
-    if mask_kind == "none":
-        return x, None, None
-    mask = jnp.moveaxis(mask, axis, -1)
-    if mask.shape[-1] != x.shape[-1]:
-        mask = jnp.broadcast_to(mask, mask.shape[:-1] + x.shape[-1:])
-    groups = mask_groups(x.shape, mask.shape)
-    if len(groups) > MAX_MASK_GROUPS:
-        mask = jnp.broadcast_to(mask, x.shape)
-        groups = mask_groups(x.shape, mask.shape)
-    return x, mask.reshape(-1, x.shape[-1]), groups
+# ---------------------------------------------------------------- forward ---
+
+def _mask_kind(mask) -> str:
+    return "none" if mask is None else ("bool" if mask.dtype == jnp.bool_ else "add")
 
 
 def _causal_dims(shape):
@@ -153,12 +141,13 @@ def _causal_dims(shape):
     return q, shape[-1] - q
 
 
-# ---------------------------------------------------------------- forward ---
-
-def _fwd_abstract(x, mask, *, axis, scale, log, causal, mask_kind, implementation):
+def _fwd_abstract(x, mask, *, axis, scale, log, causal, mask_kind):
     op = "log_softmax" if log else "softmax"
     _check_x(op, x)
-    if mask_kind != "none" and mask.ndim != x.ndim:
+    if mask_kind != _mask_kind(mask):
+        got = "no mask" if mask is None else f"a {_fmt_dtype(mask.dtype)} mask"
+        raise ValueError(f"jax_ops {op} primitive: mask_kind={mask_kind!r} with {got}")
+    if mask is not None and mask.ndim != x.ndim:
         raise ValueError(f"jax_ops {op} primitive: mask must have x's rank; got {mask.shape} for {x.shape}")
     return (core.ShapedArray(x.shape, x.dtype),)
 
@@ -204,16 +193,16 @@ def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind, reduce=None,
     return (y.astype(x.dtype),)
 
 
-def _fwd_batch(args, dims, **params):
+def _fwd_batch(stage, args, dims, **params):
     x, mask = args
     xd, md = dims
     size = x.shape[xd] if xd is not None else mask.shape[md]
     x = jnp.moveaxis(x, xd, 0) if xd is not None else jnp.broadcast_to(x, (size,) + x.shape)
-    if params["mask_kind"] != "none":
+    if mask is not None:  # keeps x's rank: a size-1 (broadcast) axis where unbatched
         mask = jnp.moveaxis(mask, md, 0) if md is not None else mask[None]
     # axis counts from the end and causal uses the last two axes: a new leading axis
     # changes neither.
-    return softmax_fwd_p.bind(x, mask, **params), (0,)
+    return stage.call(x, mask, **params), (0,)
 
 
 def _query_shape(shape, params):
@@ -261,7 +250,7 @@ def _global_index(layout, dim, local):
     return i
 
 
-def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, implementation):
+def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind):
     causal_at = None
     if causal:
         nd = x.ndim
@@ -272,25 +261,14 @@ def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, im
                           mask_kind=mask_kind, reduce=_reducer(layout, axis), causal_at=causal_at)
 
 
-def _bwd_local(layout, mesh, y, dy, *, axis, scale, log, implementation):
+def _bwd_local(layout, mesh, y, dy, *, axis, scale, log):
     reduce = _reducer(layout, axis)
     return ((scale * _logit_grad(y, dy, axis, log, lambda a: reduce("sum", a))).astype(y.dtype),)
 
 
-FWD_RULES = Rules(ins=lambda p: ("x", "bmask"), outs=lambda p: ("x",), axis=lambda p: p["axis"],
-                  needs_local=_needs_local, local=_fwd_local)
-BWD_RULES = Rules(ins=lambda p: ("x", "x"), outs=lambda p: ("x",), axis=lambda p: p["axis"],
-                  needs_local=lambda layout, p: bool(layout.col_axes), local=_bwd_local)
-
-
-softmax_fwd_p = define_primitive("softmax_fwd", stage="fwd", op_of=_op_of,
-                                 abstract_eval=_fwd_abstract, batching_rule=_fwd_batch,
-                                 variant_of=_variant, shape_of=_query_shape, sharding=FWD_RULES)
-
-
 # --------------------------------------------------------------- backward ---
 
-def _bwd_abstract(y, dy, *, axis, scale, log, implementation):
+def _bwd_abstract(y, dy, *, axis, scale, log):
     if dy.shape != y.shape or dy.dtype != y.dtype:
         raise ValueError(f"jax_ops softmax backward: dy must match y; got dy {dy.shape} "
                          f"{_fmt_dtype(dy.dtype)} and y {y.shape} {_fmt_dtype(y.dtype)}")
@@ -316,67 +294,68 @@ def _bwd_reference(y, dy, *, axis, scale, log):
     return ((scale * _logit_grad(y, dy, axis, log)).astype(y.dtype),)
 
 
-def _bwd_batch(args, dims, **params):
+def _bwd_batch(stage, args, dims, **params):
     y, dy = args
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     y, dy = (jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
              for a, d in zip(args, dims))
-    return softmax_bwd_p.bind(y, dy, **params), (0,)
-
-
-softmax_bwd_p = define_primitive("softmax_bwd", stage="bwd", op_of=_op_of,
-                                 abstract_eval=_bwd_abstract, batching_rule=_bwd_batch,
-                                 variant_of=_variant, shape_of=_query_shape, sharding=BWD_RULES)
+    return stage.call(y, dy, **params), (0,)
 
 
 # --------------------------------------------------------- implementations ---
 
-def _ffi_fwd(x, mask, *, axis, scale, log, causal, mask_kind):
-    if x.size == 0:
-        return _fwd_reference(x, mask, axis=axis, scale=scale, log=log, causal=causal,
-                              mask_kind=mask_kind)
-    xk, mask2, groups = _kernel_layout(x, mask, axis, mask_kind)
-    call = jax.ffi.ffi_call("jax_ops_softmax_fwd", jax.ShapeDtypeStruct(xk.shape, xk.dtype))
-    m = _empty()
-    if mask2 is not None:  # the handler wants x's rank: (mask rows, 1, ..., 1, cols)
+def _kernel_layout(x, mask, axis):
+    """x and mask with the softmax axis last, the mask's last axis at full length and
+    at most MAX_MASK_GROUPS groups (else materialized); (x, mask2d | None, groups | None)."""
+    x = jnp.moveaxis(x, axis, -1)
+    if mask is None:
+        return x, None, None
+    mask = jnp.moveaxis(mask, axis, -1)
+    if mask.shape[-1] != x.shape[-1]:
+        mask = jnp.broadcast_to(mask, mask.shape[:-1] + x.shape[-1:])
+    groups = mask_groups(x.shape, mask.shape)
+    if len(groups) > MAX_MASK_GROUPS:
+        mask = jnp.broadcast_to(mask, x.shape)
+        groups = mask_groups(x.shape, mask.shape)
+    return x, mask.reshape(-1, x.shape[-1]), groups
+
+
+def _cuda_fwd(call, x, mask, *, axis, scale, log, causal, mask_kind):
+    xk, mask2, groups = _kernel_layout(x, mask, axis)
+    if mask2 is None:  # the handler's ABI: a zero-element buffer stands for no mask
+        m = jnp.zeros((0,), _F32)
+    else:  # the handler wants x's rank: (mask rows, 1, ..., 1, cols)
         m = mask2.reshape(mask2.shape[-1:]) if xk.ndim == 1 else \
             mask2.reshape(mask2.shape[:1] + (1,) * (xk.ndim - 2) + mask2.shape[-1:])
-    y = call(xk, m, scale=np.float32(scale), log=bool(log), causal=bool(causal),
-             has_mask=mask_kind != "none",
-             mask_map=np.asarray(groups or [(1, 1, 0)], np.int64).reshape(-1))
+    y = jax.ffi.ffi_call("jax_ops_softmax_fwd", jax.ShapeDtypeStruct(xk.shape, xk.dtype))(
+        xk, m, scale=np.float32(scale), log=bool(log), causal=bool(causal),
+        has_mask=mask is not None, mask_map=np.asarray(groups or [(1, 1, 0)], np.int64).reshape(-1))
     return (jnp.moveaxis(y, -1, axis),)
 
 
-def _ffi_bwd(y, dy, *, axis, scale, log):
-    if y.size == 0:
-        return _bwd_reference(y, dy, axis=axis, scale=scale, log=log)
+def _cuda_bwd(call, y, dy, *, axis, scale, log):
     yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
     dx = jax.ffi.ffi_call("jax_ops_softmax_bwd", jax.ShapeDtypeStruct(yk.shape, yk.dtype))(
         yk, dyk, scale=np.float32(scale), log=bool(log))
     return (jnp.moveaxis(dx, -1, axis),)
 
 
-def _pallas_fwd(x, mask, *, axis, scale, log, causal, mask_kind, config, interpret):
-    if x.size == 0:
-        return _fwd_reference(x, mask, axis=axis, scale=scale, log=log, causal=causal,
-                              mask_kind=mask_kind)
-    xk, mask2, groups = _kernel_layout(x, mask, axis, mask_kind)
+def _pallas_fwd(call, x, mask, *, axis, scale, log, causal, mask_kind):
+    xk, mask2, groups = _kernel_layout(x, mask, axis)
     q, offset = _causal_dims(xk.shape)
     cols = xk.shape[-1]
     y = pallas_softmax.softmax_fwd(
         xk.reshape(-1, cols), mask2, scale=scale, log=log, causal=causal, q_len=q,
-        offset=offset, mask_kind=mask_kind, mask_map=tuple(groups or ()), config=config,
-        interpret=interpret)
+        offset=offset, mask_kind=mask_kind, mask_map=tuple(groups or ()), config=call.config,
+        interpret=call.interpret)
     return (jnp.moveaxis(y.reshape(xk.shape), -1, axis),)
 
 
-def _pallas_bwd(y, dy, *, axis, scale, log, config, interpret):
-    if y.size == 0:
-        return _bwd_reference(y, dy, axis=axis, scale=scale, log=log)
+def _pallas_bwd(call, y, dy, *, axis, scale, log):
     yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
     cols = yk.shape[-1]
     dx = pallas_softmax.softmax_bwd(yk.reshape(-1, cols), dyk.reshape(-1, cols), scale=scale,
-                                    log=log, config=config, interpret=interpret)
+                                    log=log, config=call.config, interpret=call.interpret)
     return (jnp.moveaxis(dx.reshape(yk.shape), -1, axis),)
 
 
@@ -391,90 +370,79 @@ def _last_axis_only(q):
     return True, ""
 
 
-def _user_lowerings(op):
-    """Adapter for register_implementation: fn(x2d, mask2d | None, *, scale, causal_q,
+def _user_adapter(fn, backward, tunable):
+    """register_implementation's adapter: fn(x2d, mask2d | None, *, scale, causal_q,
     mask_map) is too much to ask of users; they get fn(x2d, *, scale) -> y on unmasked,
     non-causal calls over the last axis (supports() should say so) and
     backward(y2d, dy2d, *, scale) -> dx."""
-    def adapt(fn, backward, tunable):
-        def fwd(x, mask, *, axis, scale, log, causal, mask_kind, config):
-            if mask_kind != "none" or causal:
-                raise ValueError(f"jax_ops.{op}: user implementations take unmasked, non-causal "
-                                 "calls only (make supports() refuse the others)")
-            xk = jnp.moveaxis(x, axis, -1)
-            kw = {"config": config} if tunable else {}
-            y = fn(xk.reshape(-1, xk.shape[-1]), scale=scale, **kw)
-            return (jnp.moveaxis(jnp.asarray(y).astype(x.dtype).reshape(xk.shape), -1, axis),)
+    def fwd(call, x, mask, *, axis, scale, log, causal, mask_kind):
+        if mask is not None or causal:
+            raise ValueError(f"jax_ops.{'log_softmax' if log else 'softmax'}: user "
+                             "implementations take unmasked, non-causal calls only (make "
+                             "supports() refuse the others)")
+        xk = jnp.moveaxis(x, axis, -1)
+        kw = {"config": call.config} if tunable else {}
+        y = fn(xk.reshape(-1, xk.shape[-1]), scale=scale, **kw)
+        return (jnp.moveaxis(jnp.asarray(y).astype(x.dtype).reshape(xk.shape), -1, axis),)
 
-        def bwd(y, dy, *, axis, scale, log, config):
-            yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
-            kw = {"config": config} if tunable else {}
-            dx = backward(yk.reshape(-1, yk.shape[-1]), dyk.reshape(-1, yk.shape[-1]), scale=scale, **kw)
-            return (jnp.moveaxis(jnp.asarray(dx).astype(y.dtype).reshape(yk.shape), -1, axis),)
+    def bwd(call, y, dy, *, axis, scale, log):
+        yk, dyk = jnp.moveaxis(y, axis, -1), jnp.moveaxis(dy, axis, -1)
+        kw = {"config": call.config} if tunable else {}
+        dx = backward(yk.reshape(-1, yk.shape[-1]), dyk.reshape(-1, yk.shape[-1]), scale=scale, **kw)
+        return (jnp.moveaxis(jnp.asarray(dx).astype(y.dtype).reshape(yk.shape), -1, axis),)
 
-        return user_lowerings(fwd, bwd if backward is not None else None)
-    return adapt
-
-
-def _register_builtins():
-    for op in ("softmax", "log_softmax"):
-        registry.add(registry.Implementation(
-            op, "xla", {"fwd": jnp_lowering(_fwd_reference), "bwd": jnp_lowering(_bwd_reference)},
-            supports=lambda q: True, description="plain jax.numpy, fused by XLA"))
-        registry.add(registry.Implementation(
-            op, "cuda", {"fwd": jnp_lowering(_ffi_fwd), "bwd": jnp_lowering(_ffi_bwd)},
-            supports=ffi_supports("jax_ops_softmax_fwd"), automatic=_last_axis_only,
-            description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
-        registry.add(registry.Implementation(
-            op, "pallas", {"fwd": pallas_lowering(_pallas_fwd), "bwd": pallas_lowering(_pallas_bwd)},
-            supports=pallas_supports(lambda q: pallas_softmax.supports(q.cols)),
-            configs=_pallas_configs, automatic=_last_axis_only,
-            description="Pallas kernels (Triton back end)"))
-        registry.define_user_adapter(op, _user_lowerings(op))
+    return {"fwd": fwd, **({"bwd": bwd} if backward is not None else {})}
 
 
-_register_builtins()
+# ----------------------------------------------------------- declaration ---
+
+def _axis(params) -> int:
+    return params["axis"]
 
 
-# ------------------------------------------------------------- custom VJP ---
-
-def _bind_fwd(x, mask, axis, scale, log, causal, implementation):
-    kind = "none" if mask is None else ("bool" if mask.dtype == jnp.bool_ else "add")
-    (y,) = softmax_fwd_p.bind(x, _empty() if mask is None else mask, axis=axis, scale=scale,
-                              log=log, causal=causal, mask_kind=kind,
-                              implementation=implementation)
-    return y
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _softmax(x, mask, axis, scale, log, causal, implementation):
-    return _bind_fwd(x, mask, axis, scale, log, causal, implementation)
+FWD = Stage("softmax_fwd", "fwd", ("x", "mask?"), ("y",),
+            op_of=_op_of, abstract=_fwd_abstract, reference=_fwd_reference, batch=_fwd_batch,
+            roles={"x": "x", "mask": "bmask", "y": "x"}, needs_local=_needs_local,
+            local=_fwd_local, axis=_axis, variant=_variant, query_shape=_query_shape)
+BWD = Stage("softmax_bwd", "bwd", ("y", "dy"), ("dx",),
+            op_of=_op_of, abstract=_bwd_abstract, reference=_bwd_reference, batch=_bwd_batch,
+            roles={"y": "x", "dy": "x", "dx": "x"},
+            needs_local=lambda layout, params: bool(layout.col_axes), local=_bwd_local,
+            axis=_axis, variant=_variant, query_shape=_query_shape)
 
 
-def _softmax_fwd(x, mask, axis, scale, log, causal, implementation):
-    y = _bind_fwd(x, mask, axis, scale, log, causal, implementation)
-    # An additive mask's shape and dtype, as a zero-element array (residuals are arrays).
-    mask_like = None if mask is None or mask.dtype == jnp.bool_ else \
-        jnp.zeros((0,) + mask.shape, mask.dtype)
-    return y, (y, mask_like)
+def _residuals(ops, outs, params):
+    return (outs["y"],)
 
 
-def _softmax_bwd(axis, scale, log, causal, implementation, res, dy):
-    y, mask_like = res
-    (dx,) = softmax_bwd_p.bind(y, dy, axis=axis, scale=scale, log=log,
-                               implementation=implementation)
-    dmask = None
-    if mask_like is not None:
-        # The logits' gradient, summed over the axes the mask is broadcast along.
-        # Under jit, XLA drops it when the mask's gradient is not used.
-        shape, dtype = mask_like.shape[1:], mask_like.dtype
+def _backward(res, cts, wanted, params, in_avals):
+    (y,), dy = res, cts["y"]
+    axis, scale, log = params["axis"], params["scale"], params["log"]
+    grads = {}
+    if "x" in wanted:
+        (grads["x"],) = BWD.call(y, dy, axis=axis, scale=scale, log=log,
+                                 implementation=params["implementation"])
+    if "mask" in wanted:  # the logits' gradient, summed over the mask's broadcast axes
+        mask = in_avals["mask"]
+        over = tuple(i for i, (m, n) in enumerate(zip(mask.shape, y.shape)) if m == 1 and n != 1)
         dz = _logit_grad(y, dy, axis, log)
-        over = tuple(i for i, (m, n) in enumerate(zip(shape, y.shape)) if m == 1 and n != 1)
-        dmask = jnp.sum(dz, axis=over, keepdims=True).reshape(shape).astype(dtype)
-    return dx, dmask
+        grads["mask"] = jnp.sum(dz, axis=over, keepdims=True).astype(mask.dtype)
+    return grads
 
 
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+SOFTMAX = Op(
+    ("softmax", "log_softmax"), FWD, BWD,
+    outputs=lambda p: ("y",), residuals=_residuals, backward=_backward,
+    user_adapter=_user_adapter,
+    impls={
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd},
+                     supports=ffi_supports("jax_ops_softmax_fwd"), automatic=_last_axis_only,
+                     description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
+        "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
+                       supports=pallas_supports(lambda q: pallas_softmax.supports(q.cols)),
+                       configs=_pallas_configs, automatic=_last_axis_only,
+                       description="Pallas kernels (Triton back end)"),
+    })
 
 
 # ------------------------------------------------------------- public API ---
@@ -496,7 +464,8 @@ def _call(op, x, axis, scale, mask, causal, implementation):
     implementation = implementation or registry.override_for(op)
     if mask is not None and mask.dtype != jnp.bool_:
         x, mask = match_vma(x, mask)
-    return _softmax(x, mask, axis, scale, op == "log_softmax", bool(causal), implementation)
+    return FWD.call(x, mask, axis=axis, scale=scale, log=op == "log_softmax", causal=bool(causal),
+                    mask_kind=_mask_kind(mask), implementation=implementation)[0]
 
 
 def softmax(x, axis: int = -1, *, scale: float | None = None, mask=None, causal: bool = False,
