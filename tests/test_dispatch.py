@@ -360,7 +360,6 @@ def test_masked_softmax_has_its_own_table_stage():
     order differs from the unmasked one); a non-last axis is 'strided' and leaves the
     kernels out of the automatic choice."""
     import json
-    from jax_ops.core.op import query
     from jax_ops.ops.softmax import FWD
     x = jnp.zeros((4, 8, 1024), jnp.bfloat16)
     params = dict(axis=-1, scale=1.0, log=False, causal=True, mask_kind="none", implementation=None,
