@@ -270,13 +270,20 @@ class Stage:
         return _present_only(outs), [d for d, k in zip(out_dims, keep) if k]
 
     def _reference_jvp(self, primals, tangents, *, present, **params):
-        """JVP through the jnp reference: the second-order path of every stage."""
+        """The stage's outputs by its kernel, their tangents through the jnp reference:
+        the second-order path of every stage."""
+        outs = self.prim.bind(*primals, present=present, **params)
+        return outs, self.reference_tangents(primals, tangents, present, params)
+
+    def reference_tangents(self, primals, tangents, present, params) -> list:
+        """Tangents of the (present) results by jax.jvp of the jnp reference (its primal
+        results are dead code, dropped under jit)."""
         params = {k: v for k, v in params.items() if k != "implementation"}
 
         def f(*ops):
             return _present_only(self.reference(*_fill(ops, present), **params))
         tangents = [ad.instantiate_zeros(t) for t in tangents]
-        return jax.jvp(f, tuple(primals), tuple(tangents))
+        return jax.jvp(f, tuple(primals), tuple(tangents))[1]
 
 
 def vmap_reference(stage: Stage, args, dims, **params):
@@ -452,8 +459,7 @@ class Op:
             tangent = dict(zip(public, t))
         rest = [n for n in names if n not in tangent and jnp.issubdtype(outs[n].dtype, jnp.inexact)]
         if rest and wanted:  # internal outputs (statistics): jnp, dead code unless differentiated
-            _, ref_t = fwd._reference_jvp(primals, tangents, present=present, **params)
-            ref_t = dict(zip(names, ref_t))
+            ref_t = dict(zip(names, fwd.reference_tangents(primals, tangents, present, params)))
             tangent.update({n: ref_t[n] for n in rest})
         tangent_out = [tangent[n] if n in tangent else ad.Zero(jax.typeof(outs[n]).to_tangent_aval())
                        for n in names]
