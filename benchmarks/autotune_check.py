@@ -31,8 +31,8 @@ from jax_ops import bench, tuning  # noqa: E402
 
 def print_vs_table(results) -> None:
     """Autotune's winner vs the measured table's choice, both timed by autotune."""
-    from jax_ops import dispatch, registry
-    from jax_ops.primitive import default_platform
+    from jax_ops.core import dispatch, registry
+    from jax_ops.core.op import default_platform
     kind = dispatch.device_kind(default_platform())
     print(f"\nautotune winner vs the measured table's choice ({kind}), autotune's timings (us)")
     print(f"{'query':<44} {'table pick':>10} {'its us':>8} {'winner':>36} {'us':>8} {'ratio':>6}")
