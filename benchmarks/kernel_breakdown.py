@@ -13,7 +13,6 @@ import sys
 from collections import defaultdict
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 
 from jax_ops import bench
@@ -40,33 +39,29 @@ def main() -> None:
     op, dtype_name, rows, cols = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     impls = sys.argv[5:] or ["cuda", "pallas", "xla", "flax"]
     dtype = bench.DTYPES[dtype_name]
-    itemsize = jnp.dtype(dtype).itemsize
-    diff = bench.SPECS[op].diff_params
     print(f"{op} {dtype_name} rows={rows} cols={cols} on {jax.devices()[0].device_kind}")
     for mode in ("fwd", "bwd"):
-        nbytes = bench.min_bytes(op, mode, rows, cols, itemsize)
+        nbytes = bench.min_bytes(op, mode, rows, cols, dtype)
         k = bench.num_sets(nbytes, 512 * bench.MB, 20 * bench.GB, 48)
         sets = bench.make_sets(op, dtype, rows, cols, k, with_dy=True, seed=0)
-        copy = bench.measure_copy(dict(op=op, mode=mode, dtype=dtype_name, rows=rows, cols=cols, timer="cupti",
-                                       k_sets=k, min_bytes=nbytes), bench.cupti_timer, REPEATS, 0)
-        if copy.time_us is None:
-            raise SystemExit(f"copy failed (GPU only): {copy.error}")
-        print(f"\n{mode}: floor {nbytes / 1e6:.1f} MB, copy of it {copy.time_us:.1f} us (K={k})")
+        try:
+            copy_us = bench.copy_us(nbytes, k, timer="cupti", repeats=REPEATS)
+        except Exception as e:  # noqa: BLE001
+            raise SystemExit(f"copy failed (GPU only): {e}") from e
+        print(f"\n{mode}: floor {nbytes / 1e6:.1f} MB, copy of it {copy_us:.1f} us (K={k})")
         for impl in impls:
             try:
-                fn = bench.make_op(op, impl, dtype)
-                args = bench.mode_args(fn, mode, sets, diff)
-                times = per_kernel_us(bench.batched(bench.per_set_fn(fn, mode, diff)), args, k)
+                f, args = bench.timed_call(op, impl, mode, dtype, sets)
+                times = per_kernel_us(f, args, k)
                 del args
             except Exception as e:  # noqa: BLE001
                 print(f"  {impl}: ERROR {bench.short_error(e)}")
                 continue
             total = sum(times.values())
-            print(f"  {impl}: {total:.1f} us = {copy.time_us / total:.2f} of copy")
+            print(f"  {impl}: {total:.1f} us = {copy_us / total:.2f} of copy")
             for name, us in times.items():
                 print(f"      {us:8.1f} us  {name[:100]}")
         del sets
-
 
 if __name__ == "__main__":
     main()

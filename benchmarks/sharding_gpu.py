@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import re
-import statistics
 import time
 
 import jax
@@ -21,8 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ops
-from jax_ops.bench import git_commit
-from jax_ops.tuning import wall_seconds
+from jax_ops import bench
 
 _COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
                    r"reduce-scatter)(?:-start)?\(")
@@ -65,7 +63,7 @@ def rel_err(a, b) -> float:
 
 
 def wall_ms(fn, *args, reps: int = 20) -> float:
-    return statistics.median(wall_seconds(lambda a: fn(*a), args, reps)) * 1e3
+    return bench.measure(fn, *args, repeats=reps, timer="wall", jit=False) / 1e3
 
 
 def main():
@@ -76,7 +74,7 @@ def main():
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("d",), devices=devices)
     rows = []
-    print(f"# {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, commit {git_commit()}")
+    print(f"# {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, commit {bench.git_commit()}")
     for name, fn, shape, dtype, params, batch_spec, hidden_spec in cases(args.small):
         x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
         ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(dtype)
@@ -108,7 +106,7 @@ def main():
                   f"{len(devices)} GPUs {t:8.3f} ms  x{t_one / t:.2f}")
     if args.out:
         meta = dict(devices=len(devices), device_kind=devices[0].device_kind,
-                    jax=jax.__version__, commit=git_commit(),
+                    jax=jax.__version__, commit=bench.git_commit(),
                     date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

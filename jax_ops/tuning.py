@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from jax_ops.core import cache, dispatch, registry
 from jax_ops.core.calls import op_calls
 from jax_ops.core.op import default_platform, query
 from jax_ops.core.cache import cache_path, load_cache  # noqa: F401 - public: jax_ops.tuning.cache_path
+from jax_ops.core.timing import wall_seconds
 
 # ---------------------------------------------------------- finding calls ---
 
@@ -50,19 +50,6 @@ def _operands(avals, seed: int):
             v = np.abs(v) + 0.5
         out.append(jnp.asarray(v, a.dtype))
     return out
-
-
-def wall_seconds(f: Callable, args, repeats: int) -> list[float]:
-    """Seconds per call of f(args): wall clock after a warm-up (compiling) call."""
-    jax.block_until_ready(f(args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = f(args)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        del out
-    return times
 
 
 def _timer(platform: str) -> Callable:

@@ -1,0 +1,76 @@
+"""The dispatch-table writer (`jax-ops-bench --table PATH`): a run's fwd and bwd times
+of cuda/pallas/xla merged into jax_ops/tables/<gpu>.json, which the automatic choice
+(jax_ops/core/dispatch.py) reads."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jax_ops.bench.report import Record
+from jax_ops.bench.specs import DTYPES, KERNEL_IMPLS, specs
+
+
+def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
+    """Merges this run's fwd/bwd times of cuda/pallas/xla into dispatch table `path`.
+
+    Each op writes the stages of its spec's table_stages: the norms fwd, bwd and the
+    derived fwd_stats; softmax and log_softmax fwd and bwd (their training forward is
+    the inference forward); softmax_mask its fwd as softmax's "fwd_mask" stage (the
+    choice for masked and causal calls; their backward is the unmasked one);
+    softmax_causal nothing (benchmarked for the masked / unmasked ratio)."""
+    path = Path(path)
+    all_specs = specs()
+    table = {"device_kind": meta["device_kind"], "entries": []}
+    if path.exists():
+        table = json.loads(path.read_text())
+        if table.get("device_kind") != meta["device_kind"]:
+            raise SystemExit(f"--table {path} is for {table.get('device_kind')!r}, "
+                             f"this run is on {meta['device_kind']!r}")
+    new = {}
+    for r in records:  # the stages are the fwd and bwd modes; fwd_bwd is their sum
+        if r.impl not in KERNEL_IMPLS or r.time_us is None:
+            continue
+        dtype = jnp.dtype(DTYPES[r.dtype]).name
+        if r.mode in ("fwd", "bwd") and r.mode in all_specs[r.op].table_stages:
+            new.setdefault((r.op, r.mode, dtype, r.rows, r.cols), {})[r.impl] = round(r.time_us, 3)
+        alias = all_specs[r.op].table_alias
+        if alias is not None and r.mode == "fwd":  # the masked forward of the softmax kernels
+            new.setdefault((*alias, dtype, r.rows, r.cols), {})[r.impl] = round(r.time_us, 3)
+    # The training forward (writes mean/rstd too) is what fwd_bwd adds to bwd. For xla
+    # that difference is only real next to xla's own backward: XLA fuses its forward and
+    # backward across the stages (seen on the H200: rms_norm 8192, xla fwd_bwd - bwd =
+    # 406 us, but 666 us next to the Pallas backward). So xla gets a training-forward
+    # time only where it also has the fastest backward.
+    timed = {(r.op, r.mode, r.dtype, r.rows, r.cols, r.impl): r.time_us for r in records
+             if r.time_us is not None and r.impl in KERNEL_IMPLS}
+    fastest_bwd = {}
+    for (op, mode, dtype, rows, cols, impl), us in timed.items():
+        shape = (op, dtype, rows, cols)
+        if mode == "bwd" and us < timed.get((op, mode, dtype, rows, cols, fastest_bwd.get(shape)), math.inf):
+            fastest_bwd[shape] = impl
+    for (op, mode, dtype, rows, cols, impl), us in timed.items():
+        if "fwd_stats" not in all_specs[op].table_stages:
+            continue
+        bwd = timed.get((op, "bwd", dtype, rows, cols, impl))
+        if mode != "fwd_bwd" or bwd is None or us <= bwd:
+            continue
+        if impl == "xla" and fastest_bwd[(op, dtype, rows, cols)] != "xla":
+            continue
+        key = (op, "fwd_stats", jnp.dtype(DTYPES[dtype]).name, rows, cols)
+        new.setdefault(key, {})[impl] = round(us - bwd, 3)
+    entries = {(e["op"], e["stage"], e["dtype"], e["rows"], e["cols"]): e["us"]
+               for e in table["entries"]}
+    entries.update(new)
+    table.update(
+        command=meta["command"], date=meta["date"], git_commit=meta["git_commit"],
+        jax_version=meta["jax_version"], timer=meta["timer"],
+        note="median kernel time per call (us) of each implementation; written by "
+             "jax_ops.bench --table, read by jax_ops/dispatch.py",
+        entries=[{"op": k[0], "stage": k[1], "dtype": k[2], "rows": k[3], "cols": k[4], "us": v}
+                 for k, v in sorted(entries.items())])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
