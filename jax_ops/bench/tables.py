@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jax_ops.bench.report import Record
@@ -64,11 +65,14 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
     entries = {(e["op"], e["stage"], e["dtype"], e["rows"], e["cols"]): e["us"]
                for e in table["entries"]}
     entries.update(new)
+    dev = jax.devices()[0]  # what core/dispatch.table_match matches a GPU on
+    cc = getattr(dev, "compute_capability", None)
     table.update(
+        compute_capability=str(cc) if cc else None, sm_count=getattr(dev, "core_count", None),
         command=meta["command"], date=meta["date"], git_commit=meta["git_commit"],
         jax_version=meta["jax_version"], timer=meta["timer"],
         note="median kernel time per call (us) of each implementation; written by "
-             "jax_ops.bench --table, read by jax_ops/dispatch.py",
+             "jax_ops.bench --table, read by jax_ops/core/dispatch.py",
         entries=[{"op": k[0], "stage": k[1], "dtype": k[2], "rows": k[3], "cols": k[4], "us": v}
                  for k, v in sorted(entries.items())])
     path.parent.mkdir(parents=True, exist_ok=True)
