@@ -20,6 +20,9 @@ Private JAX APIs used (keep this list short and current):
   objects)                                  re-binding equations, as jax.core.eval_jaxpr
   Jaxpr.debug_info.func_src_info            match.py: identifies the function a
                                             custom_jvp/custom_vjp body was traced from
+  scan's params["ft_in"].update(...).unpack()
+                                            rewrite.py: scan's (consts, carry, xs) operand
+                                            groups, to re-issue a scan with a rewritten body
   flax.linen.normalization._compute_stats,
   flax.nnx.nn.normalization._compute_stats/_normalize (flax-private)
                                             patterns.py: the exact flax formulations

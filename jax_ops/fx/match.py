@@ -219,7 +219,7 @@ def _param_equal(a, b) -> bool:
         return type(a) is type(b) and _jaxpr_identity(a) == _jaxpr_identity(b)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_param_equal(x, y) for x, y in zip(a, b))
-    if callable(a) and callable(b) and not isinstance(a, (type, np.dtype)):
+    if _is_function(a) and _is_function(b):
         # Rules of custom_jvp/custom_vjp calls (fresh wrappers on every trace): the
         # call's body jaxpr, compared with its source function above, identifies them.
         return True
@@ -228,6 +228,10 @@ def _param_equal(a, b) -> bool:
         return bool(eq) if not isinstance(eq, np.ndarray) else bool(eq.all())
     except Exception:
         return repr(a) == repr(b)
+
+
+def _is_function(f) -> bool:
+    return (callable(f) and not isinstance(f, (type, np.dtype))) or hasattr(f, "call_wrapped")
 
 
 def _literal_equal(p, g) -> bool:
@@ -250,59 +254,62 @@ def _aval_equal(a, b) -> bool:
 
 def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
     """The re-traced reference `ref` equals the subgraph ending at anchor, with ref's
-    inputs being exactly the bound graph values; else Mismatch naming the first
-    difference."""
+    inputs being exactly the bound graph values; else Mismatch naming the earliest
+    difference in program order (the root cause, e.g. a reduction's axes, rather than
+    the shapes that follow from it)."""
     out = ref.outputs[0]
     if not isinstance(out, Value) or out.producer is None:
         raise Mismatch("the reference has no equations at these shapes", 0)
     mapping: dict = {}
     rev: dict = {}
     order: list = []
+    found: list = []   # (graph node index, reason)
 
-    def fail(gn, what, depth):
-        raise Mismatch(f"{gn.name} at {gn.source.short_location}: {what}", depth)
+    def differ(gn, what):
+        found.append((gn.index, f"{gn.name} at {gn.source.short_location}: {what}"))
 
-    def walk(pv, gv, depth):
+    def walk(pv, gv, user):
         if isinstance(pv, Literal) or (isinstance(pv, Value) and pv.is_const):
             if not _literal_equal(pv, gv):
-                got = _scalar(gv)
-                want = _scalar(pv)
-                where = gv.producer if isinstance(gv, Value) and gv.producer else None
-                raise Mismatch(f"literal {got if got is not None else gv!r} where the pattern has "
-                               f"{want if want is not None else pv!r}"
-                               + (f" (after {where.name})" if where else ""), depth)
+                got, want = _scalar(gv), _scalar(pv)
+                differ(user, f"literal {got if got is not None else gv!r} where the pattern has "
+                             f"{want if want is not None else pv!r}")
             return
         if pv.producer is None:
             if args.get(arg_of_input[pv]) is not gv:
-                raise Mismatch(f"input {arg_of_input[pv]} of the pattern is not the same value at "
-                               "every use", depth)
+                differ(user, f"input {arg_of_input[pv]} of the pattern is not the same value "
+                             "at every use")
             return
         pn = pv.producer
         if not isinstance(gv, Value) or gv.producer is None:
-            raise Mismatch(f"{pn.name} of the pattern meets an input or literal", depth)
+            differ(user, f"an input or literal where the pattern has {pn.name}")
+            return
         gn = gv.producer
         if gn.name != pn.name or gv.index != pv.index or len(gn.inputs) != len(pn.inputs):
-            fail(gn, f"found where the pattern has {pn.name}", depth)
-        if pn in mapping:
-            if mapping[pn] is not gn:
-                fail(gn, "dataflow differs from the pattern", depth)
+            differ(gn, f"found where the pattern has {pn.name}")
             return
-        if gn in rev:
-            fail(gn, "dataflow differs from the pattern", depth)
+        if pn in mapping or gn in rev:
+            if mapping.get(pn) is not gn:
+                differ(gn, "dataflow differs from the pattern")
+            return
         mapping[pn], rev[gn] = gn, pn
-        if len(gn.outputs) != len(pn.outputs) or not all(
-                _aval_equal(a.aval, b.aval) for a, b in zip(gn.outputs, pn.outputs)):
-            fail(gn, f"result {gn.outputs[0].aval.str_short()} where the pattern has "
-                     f"{pn.outputs[0].aval.str_short()}", depth)
-        for key in set(gn.params) | set(pn.params):
+        for key in sorted(set(gn.params) | set(pn.params)):
             if key not in gn.params or key not in pn.params or not _param_equal(gn.params[key], pn.params[key]):
                 gp, pp = gn.params.get(key), pn.params.get(key)
-                fail(gn, f"{key}={_short(gp)} where the pattern has {key}={_short(pp)}", depth)
+                differ(gn, f"{key}={_short(gp)} where the pattern has {key}={_short(pp)}")
+                break
+        else:
+            if len(gn.outputs) != len(pn.outputs) or not all(
+                    _aval_equal(a.aval, b.aval) for a, b in zip(gn.outputs, pn.outputs)):
+                differ(gn, f"result {gn.outputs[0].aval.str_short()} where the pattern has "
+                           f"{pn.outputs[0].aval.str_short()}")
         for pa, ga in zip(pn.inputs, gn.inputs):
-            walk(pa, ga, depth + 1)
+            walk(pa, ga, gn)
         order.append(gn)
 
-    walk(out, anchor.outputs[out.index], 0)
+    walk(out, anchor.outputs[out.index], anchor)
+    if found:
+        raise Mismatch(min(found)[1], len(order) - len(found))
     order.sort(key=lambda n: n.index)
     return Verified(order, {g: p for p, g in mapping.items()}, {}, out.aval)
 

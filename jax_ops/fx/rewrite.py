@@ -20,7 +20,7 @@ from jax._src import source_info_util  # private: user_context (keeps source/nam
 POLICIES = ("auto", "always")
 
 #: bodies optimize() rewrites in place (the node is re-issued through the public API)
-REWRITABLE_BODIES = ("checkpoint", "remat", "scan", "cond", "while")
+REWRITABLE_BODIES = ("checkpoint", "remat", "remat2", "scan", "cond", "while")
 #: bodies whose matches can't be replaced: their rules refer to the original body
 FROZEN_BODIES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
@@ -117,7 +117,7 @@ def _verify(pattern, cand: M.Candidate, graph: Graph):
     avals = M.avals_of(cand.args, nargs, t.none_args)
     why = pattern.accepts(avals)
     if why:
-        return why
+        return 0, why
     out_aval = cand.anchor.outputs[t.output.index].aval
     best = None
     for static in t.formulation.static(avals, out_aval):
@@ -136,7 +136,7 @@ def _verify(pattern, cand: M.Candidate, graph: Graph):
             continue
         v.static = static
         return v, avals
-    return best.reason if best else "no static setting to verify with"
+    return 2, (best.reason if best else "no static setting to verify with")
 
 
 def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str = "",
@@ -161,8 +161,8 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     failure = _later(failure, (1, cand, cand.conflict, set(cand.nodes.values())))
                     continue
                 result = _verify(pattern, cand, graph)
-                if isinstance(result, str):
-                    failure = _later(failure, (2, cand, result, set(cand.nodes.values())))
+                if isinstance(result[0], int):  # (stage, reason): the inputs don't fit
+                    failure = _later(failure, (result[0], cand, result[1], set(cand.nodes.values())))
                     continue
                 v, avals = result
                 if claimed & set(v.nodes):
@@ -284,13 +284,17 @@ def _reissue(node: Node, subplans, vals) -> list:
     subs = [g for _, g in node.subgraphs]
     p = node.params
     name = node.name
-    if name in ("checkpoint", "remat"):
+    if name in ("checkpoint", "remat", "remat2"):
         body = functools.partial(evaluate, subs[0], subplans[0])
         return list(jax.checkpoint(lambda *a: body(a), prevent_cse=p.get("prevent_cse", True),
                                    policy=p.get("policy"))(*vals))
     if name == "scan":
-        nc, ncarry = p["num_consts"], p["num_carry"]
-        consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
+        if "ft_in" in p:  # jax >= 0.10: operands grouped (consts, carry, xs) by a FlatTree
+            consts, init, xs = map(list, p["ft_in"].update(vals).unpack())
+        else:
+            nc, ncarry = p["num_consts"], p["num_carry"]
+            consts, init, xs = vals[:nc], vals[nc:nc + ncarry], vals[nc + ncarry:]
+        ncarry = len(init)
 
         def step(carry, x):
             outs = evaluate(subs[0], subplans[0], [*consts, *carry, *x])
