@@ -127,7 +127,12 @@ class Node:
     @property
     def source(self) -> Source:
         if self._source is None:
-            self._source = _source(self.source_info)
+            src = _source(self.source_info)
+            if src.frame is None and self.graph.parent is not None:
+                # An equation of a library body (e.g. jax.nn.relu's): where it is called.
+                src = dataclasses.replace(self.graph.parent.source, name_stack=src.name_stack
+                                          or self.graph.parent.source.name_stack)
+            self._source = src
         return self._source
 
     @property

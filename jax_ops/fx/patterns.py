@@ -52,6 +52,7 @@ class Pattern:
     accepts: Callable[[list], str | None] = lambda avals: None
     note: str = ""
     _templates: list | None = dataclasses.field(default=None, repr=False)
+    _by_anchor: dict | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         for f in self.formulations:
@@ -89,6 +90,15 @@ class Pattern:
                                  "the example_args")
             self._templates = out
         return self._templates
+
+    def templates_by_anchor(self) -> dict:
+        """anchor primitive name -> templates ending in it, in formulation order."""
+        if self._by_anchor is None:
+            by: dict = {}
+            for t in self.templates():
+                by.setdefault(t.anchor_primitive, []).append(t)
+            self._by_anchor = by
+        return self._by_anchor
 
     def replace(self, args: list, params: dict, out_dtype):
         kw = dict(params)
@@ -398,8 +408,14 @@ def _add_relu_accepts(avals):
     why = _accepts_x(avals)
     if why:
         return why
-    if tuple(x.shape) != tuple(z.shape) or x.dtype != z.dtype:
-        return "x and z differ in shape or dtype"
+    if x.dtype != z.dtype:
+        return "x and z differ in dtype"
+    try:
+        fits = np.broadcast_shapes(tuple(z.shape), tuple(x.shape)) == tuple(x.shape)
+    except ValueError:
+        fits = False
+    if not fits or len(z.shape) > len(x.shape):
+        return f"z of shape {tuple(z.shape)} does not broadcast to x's {tuple(x.shape)}"
     return None
 
 

@@ -179,9 +179,8 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     compiled = jitted.lower(*args, **kwargs).compile()
     meta = hlo_metadata(compiled.as_text())
     by_sanitized = {re.sub(r"[^\w]", "_", k): k for k in meta}
-    jax.block_until_ready(jitted(*args, **kwargs))  # warm-up
-    _, per_run = profiler.measure(lambda *a, **k: jitted(*a, **k), aggregate=False,
-                                  iterations=repeat)(*args, **kwargs)
+    # measure() warms up itself, then times `repeat` runs (kernel names, ms each).
+    _, per_run = profiler.measure(jitted, aggregate=False, iterations=repeat)(*args, **kwargs)
     if per_run and isinstance(per_run[0], tuple):
         per_run = [per_run]
     # Kernels of the fastest run (CUPTI: launch order, ms each).
@@ -215,5 +214,10 @@ def profile(fn, *args, descend: bool = False, repeat: int = 3, **kwargs) -> Prof
     if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
         raise ValueError(f"jax_ops.fx.profile: repeat must be an int >= 1; got {repeat!r}")
     if jax.default_backend() == "gpu":
-        return _gpu_profile(fn, args, kwargs, repeat)
+        try:
+            return _gpu_profile(fn, args, kwargs, repeat)
+        except (ImportError, RuntimeError) as e:  # no CUPTI (mosaic GPU extension) here
+            prof = _cpu_profile(fn, args, kwargs, descend, repeat)
+            prof.method += f" (CUPTI unavailable: {e})"
+            return prof
     return _cpu_profile(fn, args, kwargs, descend, repeat)

@@ -37,6 +37,7 @@ class Rewrite:
     params: dict = dataclasses.field(default_factory=dict)
     equations: int = 0
     context: str = ""
+    order: int = dataclasses.field(default=0, repr=False, compare=False)
 
     def __str__(self):
         what = "replaced" if self.replaced else f"kept: {self.reason}"
@@ -143,15 +144,15 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                frozen: str | None = None) -> Plan:
     plan = Plan()
     claimed: set = set()
+    considered: set = set()  # nodes of verified candidates: their bodies are not searched
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
     for pattern in patterns:
-        templates = pattern.templates()
-        anchors = {t.anchor_primitive for t in templates}
+        by_anchor = pattern.templates_by_anchor()
         for node in reversed(graph.nodes):
-            if node.name not in anchors or node in claimed:
+            if node.name not in by_anchor or node in claimed:
                 continue
             failure = None
-            for t in templates:
+            for t in by_anchor[node.name]:
                 cand = M.structural(t, node)
                 if cand is None:
                     continue
@@ -165,6 +166,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     failure = _later(failure, (result[0], cand, result[1], set(cand.nodes.values())))
                     continue
                 v, avals = result
+                considered.update(v.nodes)
                 if claimed & set(v.nodes):
                     continue
                 reason = M.escaping_intermediate(v, graph)
@@ -192,7 +194,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                                            sorted(nodes, key=lambda n: n.index), reason, context))
     # Bodies: rewritten in place where the primitive can be re-issued, reported otherwise.
     for node in graph.nodes:
-        if node in claimed or not node.subgraphs:
+        if node in claimed or node in considered or not node.subgraphs:
             continue
         name = node.name
         if name in FROZEN_BODIES:
@@ -207,7 +209,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                                    frozen=frozen) for label, sub in node.subgraphs]
             if not frozen and any(not sp.empty for sp in subplans):
                 plan.bodies[node] = subplans
-    records.sort(key=lambda r: r.context)  # stable: program order within a body
+    records.sort(key=lambda r: (r.context, r.order))  # program order within each body
     return plan
 
 
@@ -230,7 +232,7 @@ def _record(pattern, t, anchor: Node, params, nodes, reason, context) -> Rewrite
     first = min(nodes, key=lambda n: n.index) if nodes else anchor
     return Rewrite(pattern.name, anchor.location if anchor.source.user else first.location,
                    reason is None, reason, anchor.module_path, t.formulation.label,
-                   {k: v for k, v in params.items()}, len(nodes), context)
+                   {k: v for k, v in params.items()}, len(nodes), context, anchor.index)
 
 
 # ------------------------------------------------------------ interpreter ---
