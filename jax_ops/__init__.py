@@ -9,8 +9,7 @@ from jax_ops.batch_norm import batch_norm_add_relu, batch_norm_relu
 from jax_ops._export import custom_call_targets, disabled_checks, export
 from jax_ops.registry import (implementations, register_implementation,
                               unregister_implementation, use)
-from jax_ops import fx
-from jax_ops.fx import optimize
+from jax_ops.fx import optimize  # also binds the jax_ops.fx subpackage
 
 #: the built-in implementations every op has
 IMPLEMENTATIONS = ("xla", "cuda", "pallas")
@@ -18,7 +17,7 @@ IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 __all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "relu", "add_relu",
            "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
-           "with_cuda", "export", "disabled_checks", "custom_call_targets", "fx", "optimize"]
+           "with_cuda", "export", "disabled_checks", "custom_call_targets"]
 
 
 def __getattr__(name):

@@ -490,3 +490,15 @@ def test_rewrites_report_table_and_trace_of_optimized_model():
     assert [r.pattern for r in recs] == ["layer_norm", "relu"]
     assert all(r.replaced and r.module.startswith("MLP") for r in recs)
     assert "flax.linen.LayerNorm" in str(recs) and "test_fx.py:" in str(recs)
+
+
+def test_match_the_replacement_refuses_is_kept():
+    def ln(x):  # a negative epsilon: jax_ops.layer_norm refuses it
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + -1e-9)
+    x = _x((4, 16))
+    recs = fx.rewrites(ln, x, policy="always")
+    assert len(recs) == 1 and not recs[0].replaced
+    assert "refuses" in recs[0].reason and "epsilon" in recs[0].reason
+    _close(jax_ops.optimize(ln, policy="always")(x), ln(x), jnp.float32)

@@ -96,6 +96,15 @@ def _not_faster(m: Match, avals) -> str | None:
     from jax_ops.dispatch import device_kind
     from jax_ops.primitive import default_platform
 
+    call, sds = _present_call(m, avals)
+    decisions = jax_ops.explain(call, *sds)
+    if any(d.implementation == "xla" for d in decisions):
+        platform = default_platform()
+        return f"not faster on {device_kind(platform) or platform}"
+    return None
+
+
+def _present_call(m: Match, avals):
     present = [i for i, a in enumerate(avals) if a is not None]
 
     def call(*xs):
@@ -103,11 +112,20 @@ def _not_faster(m: Match, avals) -> str | None:
         for i, x in zip(present, xs):
             full[i] = x
         return m.pattern.replace(full, m.params, m.out_dtype)
+    return call, [avals[i] for i in present]
 
-    decisions = jax_ops.explain(call, *[avals[i] for i in present])
-    if any(d.implementation == "xla" for d in decisions):
-        platform = default_platform()
-        return f"not faster on {device_kind(platform) or platform}"
+
+def _replacement_refuses(m: Match, avals, out_aval) -> str | None:
+    """Trace the replacement at the match's inputs (nothing runs): it must accept them
+    (e.g. epsilon >= 0) and give the matched result's shape."""
+    call, sds = _present_call(m, avals)
+    try:
+        out = jax.eval_shape(call, *sds)
+    except Exception as e:  # the op's own validation, e.g. a negative epsilon
+        return f"the replacement refuses these inputs: {type(e).__name__}: {e}"
+    if not hasattr(out, "shape") or tuple(out.shape) != tuple(out_aval.shape):
+        return (f"the replacement gives {getattr(out, 'shape', type(out).__name__)}, "
+                f"the match {tuple(out_aval.shape)}")
     return None
 
 
@@ -175,6 +193,8 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                           t.output.index, np.dtype(v.out_aval.dtype), v.nodes)
                 if reason is None and frozen:
                     reason = frozen
+                if reason is None:
+                    reason = _replacement_refuses(m, avals, v.out_aval)
                 if reason is None and policy == "auto":
                     reason = _not_faster(m, avals)
                 rec = _record(pattern, t, node, cand.params, v.nodes, reason, context)
@@ -241,6 +261,12 @@ def _read(env, a):
     return a.value if isinstance(a, Literal) else env[a]
 
 
+def _output(env, a):
+    if isinstance(a, Literal):  # a literal result: an array, as fn returned
+        return jax.numpy.asarray(a.value, a.aval.dtype)
+    return env[a]
+
+
 def _context(node: Node):
     si = node.source_info
     if si is None:
@@ -277,7 +303,7 @@ def evaluate(graph: Graph, plan: Plan, args) -> list:
                 outs = [outs]
         for o, val in zip(node.outputs, outs):
             env[o] = val
-    return [_read(env, o) for o in graph.outputs]
+    return [_output(env, o) for o in graph.outputs]
 
 
 def _reissue(node: Node, subplans, vals) -> list:
