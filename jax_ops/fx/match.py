@@ -220,9 +220,11 @@ def _param_equal(a, b) -> bool:
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_param_equal(x, y) for x, y in zip(a, b))
     if _is_function(a) and _is_function(b):
-        # Rules of custom_jvp/custom_vjp calls (fresh wrappers on every trace): the
-        # call's body jaxpr, compared with its source function above, identifies them.
-        return True
+        # Rules of custom_jvp/custom_vjp calls: fresh wrappers on every trace, so the
+        # call's body jaxpr (compared with its source function above) identifies
+        # them; plain functions must at least share their code.
+        ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+        return ca is cb if (ca is not None and cb is not None) else True
     try:
         eq = a == b
         return bool(eq) if not isinstance(eq, np.ndarray) else bool(eq.all())
@@ -308,6 +310,9 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
         order.append(gn)
 
     walk(out, anchor.outputs[out.index], anchor)
+    for a in args.values():
+        if isinstance(a, Value) and a.producer in rev:
+            found.append((a.producer.index, "an input of the pattern is computed inside the match"))
     if found:
         raise Mismatch(min(found)[1], len(order) - len(found))
     order.sort(key=lambda n: n.index)
