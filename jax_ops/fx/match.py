@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import linecache
 import re
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -369,5 +369,3 @@ def avals_of(args: dict, n: int, none_args) -> list:
                                             weak_type=getattr(a.aval, "weak_type", False)))
     return out
 
-
-Reason = Callable[..., str]

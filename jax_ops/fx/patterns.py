@@ -27,7 +27,7 @@ def _no_static(avals, out_aval):
     return [{}]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity (caches of re-traces)
 class Formulation:
     """One way of writing the pattern's computation."""
     reference: Callable
