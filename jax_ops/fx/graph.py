@@ -110,7 +110,7 @@ class Node:
     """One equation: `primitive` applied to `inputs` (Values or Literals) giving
     `outputs` (Values), with `params` as in the jaxpr."""
     __slots__ = ("primitive", "inputs", "outputs", "params", "source_info", "graph", "index",
-                 "_source", "_subgraphs", "eqn_ctx", "__weakref__")
+                 "_source", "_subgraphs", "eqn_ctx", "call_site", "__weakref__")
 
     def __init__(self, primitive, inputs, params, source_info, eqn_ctx, graph):
         self.primitive, self.inputs, self.params = primitive, inputs, params
@@ -119,6 +119,7 @@ class Node:
         self.index = -1
         self._source = None
         self._subgraphs = None
+        self.call_site = None  # source_info of the jit call this equation was inlined from
 
     @property
     def name(self) -> str:
@@ -128,6 +129,10 @@ class Node:
     def source(self) -> Source:
         if self._source is None:
             src = _source(self.source_info)
+            if src.frame is None and self.call_site is not None:
+                # Inlined from a jax-internal jit (e.g. jnp.var's): where it was called.
+                outer = _source(self.call_site)
+                src = dataclasses.replace(outer, name_stack=src.name_stack or outer.name_stack)
             if src.frame is None and self.graph.parent is not None:
                 # An equation of a library body (e.g. jax.nn.relu's): where it is called.
                 src = dataclasses.replace(self.graph.parent.source, name_stack=src.name_stack
@@ -201,7 +206,7 @@ class Graph:
         for var in jaxpr.invars:
             env[var] = v = Value(var.aval, g._new_name())
             g.inputs.append(v)
-        g._add_eqns(jaxpr, env, inline_jit)
+        g._add_eqns(jaxpr, env, inline_jit, None)
         g.outputs = [g._read(env, a) for a in jaxpr.outvars]
         for i, n in enumerate(g.nodes):
             n.index = i
@@ -212,7 +217,7 @@ class Graph:
             return Literal(atom.val, atom.aval)
         return env[atom]
 
-    def _add_eqns(self, jaxpr, env, inline_jit):
+    def _add_eqns(self, jaxpr, env, inline_jit, call_site):
         for eqn in jaxpr.eqns:
             ins = [self._read(env, a) for a in eqn.invars]
             if inline_jit and eqn.primitive.name in JIT_PRIMITIVES:
@@ -223,11 +228,14 @@ class Graph:
                     self.consts.append(v)
                 for var, val in zip(inner.jaxpr.invars, ins):
                     sub_env[var] = val
-                self._add_eqns(inner.jaxpr, sub_env, inline_jit)
+                site = eqn.source_info if call_site is None or _source(eqn.source_info).frame \
+                    else call_site
+                self._add_eqns(inner.jaxpr, sub_env, inline_jit, site)
                 for var, atom in zip(eqn.outvars, inner.jaxpr.outvars):
                     env[var] = self._read(sub_env, atom)
                 continue
             node = Node(eqn.primitive, ins, dict(eqn.params), eqn.source_info, eqn.ctx, self)
+            node.call_site = call_site
             for i, var in enumerate(eqn.outvars):
                 v = Value(var.aval, self._new_name(), producer=node, index=i)
                 node.outputs.append(v)
