@@ -504,3 +504,22 @@ def test_match_the_replacement_refuses_is_kept():
     assert len(recs) == 1 and not recs[0].replaced
     assert "refuses" in recs[0].reason and "epsilon" in recs[0].reason
     _close(jax_ops.optimize(ln, policy="always")(x), ln(x), jnp.float32)
+
+
+def test_commuted_operands_match():
+    def ln(x, s, b):  # gamma * xhat + beta, operands the other way round
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return b + s * ((x - mean) * jax.lax.rsqrt(var + 1e-5))
+    _check(ln, (X, S, B), jnp.float32, expect_op="jax_ops_norm_fwd", grad_argnums=(0, 1, 2))
+    _check(lambda x: jnp.maximum(0.0, x), (X,), jnp.float32, expect_op="jax_ops_relu_fwd")
+    recs = fx.rewrites(lambda x, z: jax.nn.relu(z + x), X, X * 2, policy="always")
+    assert [r.pattern for r in recs.replaced] == ["add_relu"]
+
+
+def test_commuted_near_miss_still_rejected():
+    def f(x, s, b):  # the scale multiplies the mean, not the normalized value
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return b + (x - s * mean) * jax.lax.rsqrt(var + 1e-5)
+    _not_rewritten(f, X, S, B)

@@ -42,6 +42,10 @@ class Template:
     none_args: tuple            # argument positions that were None
     param_slots: dict           # (node index, operand index) -> parameter name
     static: dict
+    fixed: dict = dataclasses.field(default_factory=dict)
+    # (node index, operand index) -> value of a literal that is the same at every shape
+    # (0.0 in max(x, 0.0), -inf in softmax): the structural search compares it; other
+    # literals (a row length 8.0 in a mean) are compared by verification only.
 
     @property
     def anchor_primitive(self) -> str:
@@ -88,7 +92,35 @@ def build_template(formulation, args, literal_params: dict, static: dict) -> Tem
         raise ValueError(f"pattern {formulation.pattern_name!r}: literal parameter(s) {sorted(missing)} "
                          "never reach the traced reference as a literal operand (use each one "
                          "directly in a jnp/lax operation, e.g. var + epsilon)")
-    return Template(formulation, g, out, arg_of_input, none_args, slots, static)
+    t = Template(formulation, g, out, arg_of_input, none_args, slots, static)
+    t.fixed = _fixed_literals(t, formulation, args, {**sentinels, **static})
+    return t
+
+
+def _literal_values(g: Graph) -> dict:
+    return {(n.index, k): np.asarray(a.value) for n in g.nodes for k, a in enumerate(n.inputs)
+            if isinstance(a, Literal)}
+
+
+def _fixed_literals(t: Template, formulation, args, kwargs) -> dict:
+    """Literals whose value doesn't change when every dimension of the arguments is
+    doubled (same structure); none when the structure changes with the shape."""
+    bigger = [None if a is None else jax.ShapeDtypeStruct(tuple(2 * d for d in a.shape), a.dtype)
+              for a in args]
+    try:
+        g2, _, _ = trace_reference(formulation.reference, bigger, kwargs)
+    except Exception:
+        return {}
+    if [(n.name, len(n.inputs)) for n in g2.nodes] != [(n.name, len(n.inputs)) for n in t.graph.nodes]:
+        return {}
+    first, second = _literal_values(t.graph), _literal_values(g2)
+    fixed = {}
+    for pos, v in first.items():
+        w = second.get(pos)
+        if w is not None and v.size == 1 and w.shape == v.shape and np.array_equal(v, w, equal_nan=True) \
+                and pos not in t.param_slots:
+            fixed[pos] = float(v.reshape(()).astype(np.float64))
+    return fixed
 
 
 def structure_key(t: Template) -> tuple:
@@ -138,6 +170,7 @@ def structural(t: Template, anchor: Node) -> Candidate | None:
         return None
     cand = Candidate(t, anchor, {}, {}, {})
     rev: dict = {}
+    literal_mismatch: list = []
     slot_of = t.param_slots
 
     def walk(tv, gv) -> bool:
@@ -162,7 +195,32 @@ def structural(t: Template, anchor: Node) -> Candidate | None:
         if gn in rev:  # one graph node can't play two template nodes
             return False
         cand.nodes[tn], rev[gn] = gn, tn
-        for k, (ta, ga) in enumerate(zip(tn.inputs, gn.inputs)):
+        orders = operand_orders(tn)
+        for i, order in enumerate(orders):
+            last = i == len(orders) - 1
+            saved = None if last else (dict(cand.nodes), dict(rev), dict(cand.args), dict(cand.params))
+            if pair(tn, gn, order):
+                return True
+            if last or cand.conflict:
+                return False
+            for live, old in zip((cand.nodes, rev, cand.args, cand.params), saved):
+                live.clear()
+                live.update(old)
+        return False
+
+    def pair(tn, gn, order) -> bool:
+        for k, kg in enumerate(order):
+            ta, ga = tn.inputs[k], gn.inputs[kg]
+            want = t.fixed.get((tn.index, k))
+            if want is not None:
+                got = _scalar(ga)
+                if got is None:
+                    return False
+                if not _same_float(got, want):
+                    # A near miss (jnp.var's ddof=1) if everything else fits.
+                    literal_mismatch.append(f"{gn.name} at {gn.source.short_location}: literal "
+                                            f"{got:g} where the pattern has {want:g}")
+                continue
             name = slot_of.get((tn.index, k))
             if name is not None:
                 val = _scalar(ga)
@@ -179,9 +237,26 @@ def structural(t: Template, anchor: Node) -> Candidate | None:
         return True
 
     ok = walk(t.output, anchor.outputs[t.output.index])
+    if ok and literal_mismatch:
+        if len(t.graph.nodes) == 1:  # one equation with another constant: unrelated
+            return None
+        cand.conflict = literal_mismatch[0]
     if ok or cand.conflict:
         return cand
     return None
+
+
+#: binary primitives whose operands may come in either order: IEEE add and mul are
+#: commutative bit for bit; max/min up to the sign of a zero result.
+COMMUTATIVE = frozenset({"add", "mul", "max", "min"})
+
+
+def operand_orders(node: Node) -> list[tuple[int, ...]]:
+    """Graph operand index for each template operand, in the orders to try."""
+    n = len(node.inputs)
+    if node.name in COMMUTATIVE and n == 2:
+        return [(0, 1), (1, 0)]
+    return [tuple(range(n))]
 
 
 def _same_float(a, b) -> bool:
@@ -295,6 +370,35 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
                 differ(gn, "dataflow differs from the pattern")
             return
         mapping[pn], rev[gn] = gn, pn
+        compare_node(pn, gn)
+        orders = operand_orders(pn)
+        if len(orders) == 1:
+            for pa, ga in zip(pn.inputs, gn.inputs):
+                walk(pa, ga, gn)
+        else:  # commutative: the order that agrees (else the one that maps more equations)
+            start = (dict(mapping), dict(rev), len(order), len(found))
+            tried = []
+            for o in orders:
+                for live, old in zip((mapping, rev), start[:2]):
+                    live.clear()
+                    live.update(old)
+                del order[start[2]:], found[start[3]:]
+                for k, kg in enumerate(o):
+                    walk(pn.inputs[k], gn.inputs[kg], gn)
+                tried.append((len(found) - start[3], dict(mapping), dict(rev), order[start[2]:],
+                              found[start[3]:]))
+                if len(found) == start[3]:
+                    break
+            _, best_map, best_rev, best_order, best_found = min(
+                tried, key=lambda t: (t[0] > 0, -len(t[3]), t[0]))
+            for live, kept in ((mapping, best_map), (rev, best_rev)):
+                live.clear()
+                live.update(kept)
+            order[start[2]:] = best_order
+            found[start[3]:] = best_found
+        order.append(gn)
+
+    def compare_node(pn, gn):
         for key in sorted(set(gn.params) | set(pn.params)):
             if key not in gn.params or key not in pn.params or not _param_equal(gn.params[key], pn.params[key]):
                 gp, pp = gn.params.get(key), pn.params.get(key)
@@ -305,9 +409,6 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
                     _aval_equal(a.aval, b.aval) for a, b in zip(gn.outputs, pn.outputs)):
                 differ(gn, f"result {gn.outputs[0].aval.str_short()} where the pattern has "
                            f"{pn.outputs[0].aval.str_short()}")
-        for pa, ga in zip(pn.inputs, gn.inputs):
-            walk(pa, ga, gn)
-        order.append(gn)
 
     walk(out, anchor.outputs[out.index], anchor)
     for a in args.values():
