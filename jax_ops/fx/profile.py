@@ -143,22 +143,75 @@ _META = re.compile(r'metadata=\{([^}]*)\}')
 _FIELD = re.compile(r'(\w+)="?([^" ]*)"?')
 
 
-def hlo_metadata(hlo_text: str) -> dict:
-    """instruction name -> {op_name, source_file, source_line}, for every instruction
-    of the compiled HLO (fusions carry their root's metadata)."""
-    out = {}
+_SECTION_ROW = re.compile(r'^(\d+)\s+(?:"(.*)"|\{(.*)\})\s*$')
+
+
+def _stack_tables(hlo_text: str) -> dict:
+    """The FileNames/FunctionNames/FileLocations/StackFrames tables newer XLA prints
+    before the computations (metadata then refers to a stack_frame_id)."""
+    tables: dict = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line.strip() in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line.strip(), {})
+            continue
+        m = _SECTION_ROW.match(line.strip()) if current is not None else None
+        if m:
+            current[int(m.group(1))] = m.group(2) if m.group(2) is not None else \
+                {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", m.group(3))}
+        elif line.startswith(("%", "ENTRY", "HloModule")) and current is not None and tables:
+            current = None
+    return tables
+
+
+def _frame_location(tables: dict, frame_id: int) -> str | None:
+    """file:line of the innermost frame outside installed packages on the stack (the
+    innermost one if all are), following parent links (printed 1-based: 0 = none)."""
+    frames, locs = tables.get("StackFrames", {}), tables.get("FileLocations", {})
+    files = tables.get("FileNames", {})
+    first = None
+    seen = set()
+    while frame_id and frame_id in frames and frame_id not in seen:
+        seen.add(frame_id)
+        frame = frames[frame_id]
+        loc = locs.get(frame.get("file_location_id"))
+        if loc is not None:
+            where = f"{files.get(loc.get('file_name_id'), '?')}:{loc.get('line', '?')}"
+            first = first or where
+            if not any(p in where for p in ("site-packages", "dist-packages")):
+                return where
+        frame_id = frame.get("parent_frame_id", 0) - 1
+    return first
+
+
+def hlo_metadata(hlo_text: str) -> tuple[dict, list]:
+    """(instruction name -> {op_name, source_file, source_line} for every instruction
+    of the compiled HLO (fusions carry their root's metadata), the custom-call
+    instructions in program order (the scheduled entry computation's order))."""
+    out, custom_calls = {}, []
+    tables = _stack_tables(hlo_text)
     for line in hlo_text.splitlines():
         m = _HLO_INSTR.match(line)
         if not m:
             continue
         meta = _META.search(m.group(2))
         fields = dict(_FIELD.findall(meta.group(1))) if meta else {}
+        if "source_file" in fields:
+            fields["location"] = f"{fields['source_file']}:{fields.get('source_line', '?')}"
+        elif fields.get("stack_frame_id", "").isdigit():
+            where = _frame_location(tables, int(fields["stack_frame_id"]))
+            if where:
+                fields["location"] = where
+        target = re.search(r'custom_call_target="([^"]+)"', m.group(2))
+        if target:
+            fields["custom_call_target"] = target.group(1)
+            custom_calls.append(m.group(1))
         out[m.group(1)] = fields
-    return out
+    return out, custom_calls
 
 
-def _kernel_kind(kernel: str, instr: str | None, op_name: str) -> str:
-    k = kernel.lower()
+def _kernel_kind(kernel: str, instr: str | None, op_name: str, target: str = "") -> str:
+    k = (kernel + " " + target).lower()
     if "jax_ops" in k or "jax_ops" in op_name:
         m = re.search(r"jax_ops[_:]+(\w+)", kernel + " " + op_name)
         return f"jax_ops {m.group(1)}" if m else "jax_ops"
@@ -177,8 +230,11 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     from jax.experimental.mosaic.gpu import profiler
     jitted = jax.jit(fn)
     compiled = jitted.lower(*args, **kwargs).compile()
-    meta = hlo_metadata(compiled.as_text())
+    meta, custom_calls = hlo_metadata(compiled.as_text())
     by_sanitized = {re.sub(r"[^\w]", "_", k): k for k in meta}
+    # Kernels not named after an instruction (cuBLAS, our FFI and Pallas kernels) are
+    # launched by custom calls: assigned to them in program order (best effort).
+    pending = list(custom_calls)
     # measure() warms up itself, then times `repeat` runs (kernel names, ms each).
     _, per_run = profiler.measure(jitted, aggregate=False, iterations=repeat)(*args, **kwargs)
     if per_run and isinstance(per_run[0], tuple):
@@ -188,11 +244,14 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
     for kernel, ms in run:
         instr = kernel if kernel in meta else by_sanitized.get(re.sub(r"[^\w]", "_", kernel))
+        if instr is None and pending:
+            instr = pending.pop(0)
+        elif instr in pending:
+            pending.remove(instr)
         fields = meta.get(instr, {}) if instr else {}
-        src = fields.get("source_file")
-        loc = f"{src}:{fields.get('source_line', '?')}" if src else (fields.get("op_name") or
-                                                                      f"(kernel {kernel[:40]})")
-        kind = _kernel_kind(kernel, instr, fields.get("op_name", ""))
+        loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
+        kind = _kernel_kind(kernel, instr, fields.get("op_name", ""),
+                            fields.get("custom_call_target", ""))
         key = (loc, kind, fields.get("op_name", ""))
         g = groups[key]
         g[0] += 1
