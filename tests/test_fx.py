@@ -538,3 +538,15 @@ def test_hlo_metadata_maps_instructions_to_source_lines():
     lines = {m["location"] for m in meta.values() if "location" in m}
     first = f.__code__.co_firstlineno
     assert f"{__file__}:{first + 1}" in lines and f"{__file__}:{first + 2}" in lines, lines
+
+
+def test_prng_keys_and_integer_inputs_pass_through():
+    def f(key, x, n):
+        noise = jax.random.normal(key, x.shape)
+        return jax.nn.relu(x + noise) * n
+    key, x = jax.random.key(1), _x((4, 8))
+    assert "key<" in fx.trace(f, key, x, 3).tabular()
+    fast = jax_ops.optimize(f, policy="always")
+    assert "jax_ops_relu_fwd" in _ops_in(fast, key, x, 3)
+    _close(fast(key, x, 3), f(key, x, 3), jnp.float32)
+    _close(jax.jit(fast)(key, x, 3), f(key, x, 3), jnp.float32)

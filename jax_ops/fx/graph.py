@@ -22,7 +22,12 @@ _SITE = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
 
 
 def _dtype_name(dtype) -> str:
-    return np.dtype(dtype).name if dtype is not None else "?"
+    if dtype is None:
+        return "?"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # extended dtypes (PRNG keys)
+        return str(dtype)
 
 
 def aval_str(aval) -> str:

@@ -319,13 +319,13 @@ def _literal_equal(p, g) -> bool:
         gv = np.asarray(g.const)
     else:
         return False
-    if pv.shape != gv.shape or np.dtype(p.aval.dtype) != np.dtype(g.aval.dtype):
+    if pv.shape != gv.shape or p.aval.dtype != g.aval.dtype:
         return False
     return bool(np.array_equal(pv, gv, equal_nan=True))
 
 
 def _aval_equal(a, b) -> bool:
-    return (tuple(a.shape) == tuple(b.shape) and np.dtype(a.dtype) == np.dtype(b.dtype)
+    return (tuple(getattr(a, "shape", ())) == tuple(getattr(b, "shape", ())) and a.dtype == b.dtype
             and getattr(a, "weak_type", False) == getattr(b, "weak_type", False))
 
 

@@ -134,8 +134,8 @@ def _norm_examples(with_bias: bool):
 
 def _accepts_x(avals):
     x = avals[0]
-    if np.dtype(x.dtype) not in _OP_DTYPES:
-        return f"x is {np.dtype(x.dtype).name}; the jax_ops op takes float32, bfloat16, float16"
+    if x.dtype not in _OP_DTYPES:
+        return f"x is {x.dtype}; the jax_ops op takes float32, bfloat16, float16"
     if len(x.shape) < 1:
         return "x is a scalar"
     return None
@@ -149,8 +149,8 @@ def _norm_accepts(avals):
     for p in avals[1:]:
         if p is None:
             continue
-        if np.dtype(p.dtype) not in _OP_DTYPES:
-            return f"a parameter is {np.dtype(p.dtype).name}"
+        if p.dtype not in _OP_DTYPES:
+            return f"a parameter is {p.dtype}"
         if tuple(p.shape) != (cols,):
             return f"a parameter has shape {tuple(p.shape)}, not ({cols},)"
     return None
