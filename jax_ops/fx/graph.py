@@ -159,18 +159,29 @@ class Node:
         custom_vjp, remat, scan, while, cond branches...)."""
         if self._subgraphs is None:
             subs = []
-            for key, val in self.params.items():
-                items = val if isinstance(val, (tuple, list)) else [val]
-                for i, item in enumerate(items):
-                    label = key if len(items) == 1 or not isinstance(val, (tuple, list)) else f"{key}[{i}]"
-                    if isinstance(item, jcore.ClosedJaxpr):
-                        subs.append((label, Graph.from_jaxpr(item.jaxpr, item.consts, parent=self,
-                                                                 inline_jit=self.graph.inline_jit)))
-                    elif isinstance(item, jcore.Jaxpr):
-                        subs.append((label, Graph.from_jaxpr(item, (), parent=self,
-                                                                 inline_jit=self.graph.inline_jit)))
+            for label, item in self._subgraph_params():
+                if isinstance(item, jcore.ClosedJaxpr):
+                    g = Graph.from_jaxpr(item.jaxpr, item.consts, parent=self,
+                                         inline_jit=self.graph.inline_jit)
+                else:
+                    g = Graph.from_jaxpr(item, (), parent=self, inline_jit=self.graph.inline_jit)
+                if not g.prefix:  # several bodies: name them by their param
+                    g.prefix = f"{self.outputs[0].name if self.outputs else self.name}/{label}/"
+                    g._rename()
+                subs.append((label, g))
             self._subgraphs = subs
         return self._subgraphs
+
+    def _subgraph_params(self) -> list:
+        """(label, jaxpr) for each jaxpr among the params."""
+        out = []
+        for key, val in self.params.items():
+            items = val if isinstance(val, (tuple, list)) else [val]
+            for i, item in enumerate(items):
+                if isinstance(item, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    label = f"{key}[{i}]" if isinstance(val, (tuple, list)) else key
+                    out.append((label, item))
+        return out
 
     def __repr__(self):
         outs = ", ".join(map(repr, self.outputs))
@@ -181,8 +192,9 @@ class Node:
 class Graph:
     """Nodes in program order over `inputs` (and constants) giving `outputs`."""
 
-    def __init__(self, parent: Node | None = None, inline_jit: bool = False):
+    def __init__(self, parent: Node | None = None, inline_jit: bool = False, prefix: str = ""):
         self.inline_jit = inline_jit
+        self.prefix = prefix  # names in a body: "<parent node's result>/a", ...
         self.inputs: list[Value] = []
         self.consts: list[Value] = []
         self.outputs: list[Value | Literal] = []
@@ -199,11 +211,15 @@ class Graph:
             s = chr(ord("a") + n % 26) + s
             n = n // 26 - 1
             if n < 0:
-                return s
+                return self.prefix + s
 
     @classmethod
     def from_jaxpr(cls, jaxpr, consts=(), *, inline_jit=False, parent=None) -> "Graph":
-        g = cls(parent, inline_jit)
+        prefix = ""
+        if parent is not None:
+            base = parent.outputs[0].name if parent.outputs else parent.name
+            prefix = f"{base}/" if len(parent._subgraph_params()) == 1 else ""
+        g = cls(parent, inline_jit, prefix)
         env: dict = {}
         for var, c in zip(jaxpr.constvars, consts):
             env[var] = v = Value(var.aval, g._new_name(), const=c, is_const=True)
@@ -216,6 +232,11 @@ class Graph:
         for i, n in enumerate(g.nodes):
             n.index = i
         return g
+
+    def _rename(self):
+        self._names = 0
+        for v in [*self.consts, *self.inputs, *(o for n in self.nodes for o in n.outputs)]:
+            v.name = self._new_name()
 
     def _read(self, env, atom):
         if isinstance(atom, jcore.Literal):
