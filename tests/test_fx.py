@@ -550,3 +550,18 @@ def test_prng_keys_and_integer_inputs_pass_through():
     assert "jax_ops_relu_fwd" in _ops_in(fast, key, x, 3)
     _close(fast(key, x, 3), f(key, x, 3), jnp.float32)
     _close(jax.jit(fast)(key, x, 3), f(key, x, 3), jnp.float32)
+
+
+def test_relu_ties_keep_the_original_derivative():
+    # jax.nn.relu: slope 0 at 0 (as jax_ops.relu); jnp.maximum(x, 0): 0.5 (lax.max)
+    x = jnp.asarray([-1.0, 0.0, -0.0, 2.0, 0.0])
+    z = jnp.asarray([1.0, 0.0, 0.0, -1.0, 1.0])
+    for fn, args in ((lambda x: jnp.maximum(x, 0.0), (x,)), (jax.nn.relu, (x,)),
+                     (lambda x, z: jnp.maximum(x + z, 0.0), (x, z)),
+                     (lambda x, z: jax.nn.relu(x + z), (x, z))):
+        fast = jax_ops.optimize(fn, policy="always")
+        assert "jax_ops_relu_fwd" in _ops_in(fast, *args)
+        argnums = tuple(range(len(args)))
+        got = jax.grad(lambda *a: fast(*a).sum(), argnums)(*args)
+        want = jax.grad(lambda *a: fn(*a).sum(), argnums)(*args)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)

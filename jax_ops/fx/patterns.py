@@ -29,11 +29,13 @@ def _no_static(avals, out_aval):
 
 @dataclasses.dataclass(eq=False)  # hashed by identity (caches of re-traces)
 class Formulation:
-    """One way of writing the pattern's computation."""
+    """One way of writing the pattern's computation; `replacement` overrides the
+    pattern's where this formulation's derivative differs (jnp.maximum's ties)."""
     reference: Callable
     static: Callable[[list, Any], list] = _no_static
     label: str = ""
     pattern_name: str = ""
+    replacement: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -58,12 +60,6 @@ class Pattern:
         for f in self.formulations:
             f.pattern_name = self.name
 
-    @property
-    def takes_out_dtype(self) -> bool:
-        try:
-            return "out_dtype" in inspect.signature(self.replacement).parameters
-        except (TypeError, ValueError):
-            return False
 
     def templates(self):
         """Structurally distinct traced formulations (built once, on first use)."""
@@ -100,13 +96,23 @@ class Pattern:
             self._by_anchor = by
         return self._by_anchor
 
-    def replace(self, args: list, params: dict, out_dtype):
+    def replace(self, args: list, params: dict, out_dtype, formulation: Formulation | None = None):
+        """The replacement (the formulation's own, if it has one) at the match's inputs
+        and parameters, in the matched result's dtype."""
+        fn = (formulation.replacement if formulation is not None else None) or self.replacement
         kw = dict(params)
-        if self.takes_out_dtype:
+        if _takes_out_dtype(fn):
             kw["out_dtype"] = out_dtype
-        y = self.replacement(*args, **kw)
+        y = fn(*args, **kw)
         y = jnp.asarray(y)
         return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+
+def _takes_out_dtype(fn) -> bool:
+    try:
+        return "out_dtype" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ----------------------------------------------------------- example sets ---
@@ -384,8 +390,9 @@ def _softmax_pattern(log: bool, scaled: bool) -> Pattern:
 
 
 # ------------------------------------------------------------------- relu ---
-# jnp.maximum(x, 0)'s derivative at exactly 0 is 0.5; jax.nn.relu's and jax_ops'
-# are 0 (both valid subgradients; forward values are identical).
+# jax.nn.relu's derivative at 0 is 0, as jax_ops.relu's; jnp.maximum(x, 0)'s is 0.5
+# (lax.max splits ties), so its replacement keeps our forward kernel and restates
+# that derivative.
 
 def _relu_ref(x):
     return jax.nn.relu(x)
@@ -429,19 +436,50 @@ def add_relu_replacement(x, z):
     return jax_ops.add_relu(x, z)
 
 
+def _max_tie_slope(pre):
+    """d max(pre, 0) / d pre as lax.max differentiates it: 1 above, 0.5 at a tie
+    (either zero), 0 below and at NaN."""
+    return jnp.where(pre > 0, 1.0, jnp.where(pre == 0, 0.5, 0.0)).astype(pre.dtype)
+
+
+@jax.custom_jvp
+def maximum_relu_replacement(x):
+    return relu_replacement(x)
+
+
+@maximum_relu_replacement.defjvp
+def _maximum_relu_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return maximum_relu_replacement(x), dx * _max_tie_slope(x)
+
+
+@jax.custom_jvp
+def maximum_add_relu_replacement(x, z):
+    return add_relu_replacement(x, z)
+
+
+@maximum_add_relu_replacement.defjvp
+def _maximum_add_relu_jvp(primals, tangents):
+    (x, z), (dx, dz) = primals, tangents
+    slope = _max_tie_slope(x + z)  # the tie on the sum rounded as the original rounds it
+    return maximum_add_relu_replacement(x, z), (dx + dz) * slope
+
+
 def _relu_examples(n):
     return [tuple(_sds(s, d) for _ in range(n)) for s in ((8,), (4, 8)) for d in (_F32, _BF16)]
 
 
 def _relu_pattern() -> Pattern:
     return Pattern("relu", [Formulation(_relu_ref, label="jax.nn.relu"),
-                            Formulation(_maximum_ref, label="jnp.maximum(x, 0)")],
+                            Formulation(_maximum_ref, label="jnp.maximum(x, 0)",
+                                        replacement=maximum_relu_replacement)],
                    relu_replacement, _relu_examples(1), accepts=_accepts_x)
 
 
 def _add_relu_pattern() -> Pattern:
     return Pattern("add_relu", [Formulation(_add_relu_ref, label="jax.nn.relu(x + z)"),
-                                Formulation(_add_maximum_ref, label="jnp.maximum(x + z, 0)")],
+                                Formulation(_add_maximum_ref, label="jnp.maximum(x + z, 0)",
+                                            replacement=maximum_add_relu_replacement)],
                    add_relu_replacement, _relu_examples(2), accepts=_add_relu_accepts)
 
 

@@ -235,8 +235,9 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     # Kernels not named after an instruction (cuBLAS, our FFI and Pallas kernels) are
     # launched by custom calls: assigned to them in program order (best effort).
     pending = list(custom_calls)
-    # measure() warms up itself, then times `repeat` runs (kernel names, ms each).
-    _, per_run = profiler.measure(jitted, aggregate=False, iterations=repeat)(*args, **kwargs)
+    # measure() runs the compiled executable once to warm up, then times `repeat` runs
+    # (kernel name, ms) each.
+    _, per_run = profiler.measure(compiled, aggregate=False, iterations=repeat)(*args, **kwargs)
     if per_run and isinstance(per_run[0], tuple):
         per_run = [per_run]
     # Kernels of the fastest run (CUPTI: launch order, ms each).

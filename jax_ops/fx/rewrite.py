@@ -50,15 +50,21 @@ class Rewrites(list):
     def __str__(self):
         if not self:
             return "jax_ops.fx.rewrites: no candidate matches"
-        header = ("pattern", "replaced", "location", "module", "formulation", "reason")
+        header = ("pattern", "replaced", "location", "module", "formulation", "params", "reason")
         rows = [(r.pattern, "yes" if r.replaced else "no", _short_loc(r.location), r.module,
-                 r.formulation, (r.reason or "") + (f" [{r.context}]" if r.context else ""))
+                 r.formulation, _params_str(r.params),
+                 (r.reason or "") + (f" [{r.context}]" if r.context else ""))
                 for r in self]
         return _table(header, rows)
 
     @property
     def replaced(self) -> list:
         return [r for r in self if r.replaced]
+
+
+def _params_str(params: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in params.items())
 
 
 def _short_loc(loc: str) -> str:
@@ -74,6 +80,10 @@ class Match:
     out_index: int
     out_dtype: Any
     nodes: list
+    formulation: Any = None
+
+    def replace(self, vals):
+        return self.pattern.replace(vals, self.params, self.out_dtype, self.formulation)
 
 
 @dataclasses.dataclass
@@ -111,7 +121,7 @@ def _present_call(m: Match, avals):
         full = [None] * len(avals)
         for i, x in zip(present, xs):
             full[i] = x
-        return m.pattern.replace(full, m.params, m.out_dtype)
+        return m.replace(full)
     return call, [avals[i] for i in present]
 
 
@@ -198,7 +208,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 reason = M.escaping_intermediate(v, graph)
                 params = {**cand.params, **v.static}
                 m = Match(pattern, [cand.args.get(i) for i in range(len(avals))], params,
-                          t.output.index, np.dtype(v.out_aval.dtype), v.nodes)
+                          t.output.index, np.dtype(v.out_aval.dtype), v.nodes, t.formulation)
                 if reason is None and frozen:
                     reason = frozen
                 if reason is None:
@@ -297,7 +307,7 @@ def evaluate(graph: Graph, plan: Plan, args) -> list:
         if m is not None:
             vals = [None if a is None else _read(env, a) for a in m.args]
             with _context(node):
-                env[node.outputs[m.out_index]] = m.pattern.replace(vals, m.params, m.out_dtype)
+                env[node.outputs[m.out_index]] = m.replace(vals)
             continue
         vals = [_read(env, a) for a in node.inputs]
         subplans = plan.bodies.get(node)
@@ -398,12 +408,16 @@ def optimize(fn: Callable, *, policy: str = "auto", patterns=None, exclude=()) -
     semantics. Traced per input signature (pytree structure and avals, cached) when
     called; composes with jit, grad and vmap.
 
+    The rewritten program is evaluated equation by equation: wrap the result in
+    jax.jit (or call it under one) to compile it as a whole.
+
     Args:
       fn: the function (all of its arguments are traced: pass static settings by
         closure or functools.partial).
       policy: "auto" replaces a match only where the library's automatic choice runs
-        one of our kernels for it on this device (jax_ops.explain); "always" replaces
-        every verified match.
+        one of our kernels for it on this device (jax_ops.explain; a user pattern whose
+        replacement calls no jax_ops op is always replaced); "always" replaces every
+        verified match.
       patterns: pattern names or Pattern objects to use (None: all registered).
       exclude: pattern names not to use.
     """
