@@ -565,3 +565,19 @@ def test_relu_ties_keep_the_original_derivative():
         got = jax.grad(lambda *a: fast(*a).sum(), argnums)(*args)
         want = jax.grad(lambda *a: fn(*a).sum(), argnums)(*args)
         jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+
+
+def test_auto_policy_follows_the_library_choice(monkeypatch):
+    # Where jax_ops.explain picks one of our kernels (as on a GPU), auto replaces.
+    from jax_ops.dispatch import Explanation
+    calls = []
+
+    def fake_explain(fn, *args, **kw):
+        calls.append(args)
+        return Explanation([type("D", (), {"implementation": "pallas"})()])
+    monkeypatch.setattr(jax_ops, "explain", fake_explain)
+    x = _x((4, 32))
+    fast = jax_ops.optimize(jax.nn.softmax)
+    assert "jax_ops_softmax_fwd" in _ops_in(fast, x)
+    assert calls and calls[0][0].shape == (4, 32)
+    assert fx.rewrites(jax.nn.softmax, x)[0].replaced

@@ -23,6 +23,8 @@ Private JAX APIs used (keep this list short and current):
   scan's params["ft_in"].update(...).unpack()
                                             rewrite.py: scan's (consts, carry, xs) operand
                                             groups, to re-issue a scan with a rewritten body
+  jax.experimental.mosaic.gpu.profiler.measure (experimental, public)
+                                            profile.py: CUPTI per-kernel times on GPU
   flax.linen.normalization._compute_stats,
   flax.nnx.nn.normalization._compute_stats/_normalize (flax-private)
                                             patterns.py: the exact flax formulations

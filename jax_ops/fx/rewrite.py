@@ -107,7 +107,10 @@ def _not_faster(m: Match, avals) -> str | None:
     from jax_ops.primitive import default_platform
 
     call, sds = _present_call(m, avals)
-    decisions = jax_ops.explain(call, *sds)
+    try:
+        decisions = jax_ops.explain(call, *sds)
+    except Exception as e:  # keep the original rather than guess
+        return f"jax_ops.explain could not decide: {type(e).__name__}: {e}"
     if any(d.implementation == "xla" for d in decisions):
         platform = default_platform()
         return f"not faster on {device_kind(platform) or platform}"
