@@ -581,3 +581,10 @@ def test_auto_policy_follows_the_library_choice(monkeypatch):
     assert "jax_ops_softmax_fwd" in _ops_in(fast, x)
     assert calls and calls[0][0].shape == (4, 32)
     assert fx.rewrites(jax.nn.softmax, x)[0].replaced
+
+
+def test_patterns_keep_priority_order_whatever_order_they_are_named_in():
+    x, z = _x((4, 16)), _x((4, 16), seed=1)
+    recs = fx.rewrites(lambda x, z: jax.nn.relu(x + z), x, z, policy="always",
+                       patterns=["relu", "add_relu"])
+    assert [r.pattern for r in recs.replaced] == ["add_relu"]

@@ -590,4 +590,7 @@ def resolve(patterns, exclude) -> list[Pattern]:
             raise TypeError(f"exclude: expected pattern names; got {e!r}")
         if not any(q.name in (e, e + "_scaled") for q in every):
             raise ValueError(f"exclude: unknown pattern {e!r}; known: {sorted({q.name for q in every})}")
+    # Priority order (larger patterns first) whatever order they were named in.
+    chosen = [p for p in every if any(p is c for c in chosen)] + \
+        [c for c in chosen if not any(c is p for p in every)]
     return [p for p in chosen if p.name not in exclude and p.name.removesuffix("_scaled") not in exclude]
