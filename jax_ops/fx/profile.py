@@ -226,6 +226,17 @@ def _kernel_kind(kernel: str, instr: str | None, op_name: str, target: str = "")
     return "kernel"
 
 
+def _family(name: str) -> str:
+    """Which custom calls launch a kernel of this name (or a call of this target):
+    cuBLAS, our FFI kernels (namespace jax_ops), or others (Triton/Pallas...)."""
+    n = name.lower()
+    if any(s in n for s in ("gemm", "xmma", "cutlass", "cublas", "matmul")):
+        return "cublas"
+    if "jax_ops" in n:
+        return "jax_ops"
+    return "other"
+
+
 def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     from jax.experimental.mosaic.gpu import profiler
     jitted = jax.jit(fn)
@@ -233,7 +244,8 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     meta, custom_calls = hlo_metadata(compiled.as_text())
     by_sanitized = {re.sub(r"[^\w]", "_", k): k for k in meta}
     # Kernels not named after an instruction (cuBLAS, our FFI and Pallas kernels) are
-    # launched by custom calls: assigned to them in program order (best effort).
+    # launched by custom calls: each goes to the next custom call of its family in
+    # program order (best effort: a call launching several kernels shifts the rest).
     pending = list(custom_calls)
     # measure() runs the compiled executable once to warm up, then times `repeat` runs
     # (kernel name, ms) each.
@@ -245,9 +257,11 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
     groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
     for kernel, ms in run:
         instr = kernel if kernel in meta else by_sanitized.get(re.sub(r"[^\w]", "_", kernel))
-        if instr is None and pending:
-            instr = pending.pop(0)
-        elif instr in pending:
+        if instr is None:
+            family = _family(kernel)
+            instr = next((c for c in pending if _family(meta[c].get("custom_call_target", "")) == family),
+                         None)
+        if instr in pending:
             pending.remove(instr)
         fields = meta.get(instr, {}) if instr else {}
         loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
