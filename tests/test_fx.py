@@ -588,3 +588,29 @@ def test_patterns_keep_priority_order_whatever_order_they_are_named_in():
     recs = fx.rewrites(lambda x, z: jax.nn.relu(x + z), x, z, policy="always",
                        patterns=["relu", "add_relu"])
     assert [r.pattern for r in recs.replaced] == ["add_relu"]
+
+
+def test_gpu_profile_maps_kernels_to_source(monkeypatch):
+    # The CUPTI path, run on CPU with measure() stubbed: kernels named like the
+    # compiled module's fusions (as XLA:GPU names them) plus an unnamed cuBLAS kernel.
+    from jax.experimental.mosaic.gpu import profiler
+    import importlib
+    prof_mod = importlib.import_module("jax_ops.fx.profile")  # jax_ops.fx.profile is also the function
+
+    def f(x, w):
+        y = x @ w
+        return jnp.sin(y) * 2
+    x, w = jnp.ones((8, 8)), jnp.ones((8, 8))
+    meta, _ = prof_mod.hlo_metadata(jax.jit(f).lower(x, w).compile().as_text())
+    fusions = [k for k in meta if "fusion" in k and "location" in meta[k]]
+    assert fusions
+
+    def fake_measure(compiled, aggregate, iterations):
+        runs = [[(name.replace(".", "_"), 0.002) for name in fusions] + [("sm90_xmma_gemm", 0.004)]]
+        return lambda *a, **k: (compiled(*a, **k), runs * iterations)
+    monkeypatch.setattr(profiler, "measure", fake_measure)
+    prof = prof_mod._gpu_profile(f, (x, w), {}, repeat=2)
+    assert abs(prof.total_us - (2 * len(fusions) + 4)) < 1e-6
+    assert any(r.kind == "matmul" and r.time_us == pytest.approx(4.0) for r in prof.rows)
+    first = f.__code__.co_firstlineno
+    assert any(r.location.endswith(f"test_fx.py:{first + 2}") for r in prof.rows), str(prof)
