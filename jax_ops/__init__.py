@@ -15,6 +15,7 @@ from jax_ops.ops.softmax import log_softmax, softmax
 #TMP from jax_ops.ops.batch_norm import batch_norm_add_relu, batch_norm_relu
 from jax_ops.tuning import autotune
 from jax_ops._export import custom_call_targets, disabled_checks, export
+from jax_ops.fx import optimize  # also binds the jax_ops.fx subpackage
 
 #: the built-in implementations every op has
 IMPLEMENTATIONS = ("xla", "cuda", "pallas")
@@ -22,7 +23,7 @@ IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 __all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "relu", "add_relu",
            "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
-           "with_cuda", "export", "disabled_checks", "custom_call_targets"]
+           "with_cuda", "export", "disabled_checks", "custom_call_targets", "fx", "optimize"]
 
 
 def __getattr__(name):

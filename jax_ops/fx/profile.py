@@ -1,0 +1,297 @@
+"""profile(): where the time of a function goes, by source location.
+
+CPU (and any non-GPU platform): an interpreter runs fn's top-level equations one at
+a time, each blocked until ready, after a warm-up run (so compilation of each
+primitive is not counted); nested calls (jit, custom_jvp/vjp, control flow) are one
+row each, or descended into their bodies with descend=True.
+
+GPU: fn is compiled once and its kernels are timed with CUPTI through
+jax.experimental.mosaic.gpu.profiler.measure(aggregate=False), which returns
+(kernel name, ms) per launched kernel; each kernel is mapped back to the HLO
+instruction of the same name and that instruction's metadata (op_name,
+source_file:source_line).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections import defaultdict
+
+import jax
+
+from jax_ops.fx.graph import Graph, Literal, Node, _table, make_closed_jaxpr
+
+
+@dataclasses.dataclass
+class Row:
+    location: str      # file:line (or HLO op_name where no source is known)
+    kind: str          # matmul, conv, jax_ops <op>, fusion, reduction, elementwise, call ...
+    count: int
+    time_us: float
+    percent: float = 0.0
+    name: str = ""     # primitive / kernel name(s)
+    module: str = ""   # Flax module path / name stack
+
+
+class Profile:
+    """Rows sorted by time (largest first); str() is a table."""
+
+    def __init__(self, rows, total_us: float, method: str):
+        for r in rows:
+            r.percent = 100.0 * r.time_us / total_us if total_us > 0 else 0.0
+        self.rows = sorted(rows, key=lambda r: -r.time_us)
+        self.total_us = total_us
+        self.method = method
+
+    def __str__(self):
+        header = ("time_us", "percent", "count", "kind", "location", "module", "name")
+        rows = [(f"{r.time_us:.1f}", f"{r.percent:.1f}%", r.count, r.kind, r.location, r.module,
+                 r.name[:50]) for r in self.rows]
+        return (f"jax_ops.fx.profile ({self.method}): total {self.total_us:.1f} us\n"
+                + _table(header, rows))
+
+
+_ELEMENTWISE = {"add", "sub", "mul", "div", "max", "min", "exp", "log", "rsqrt", "sqrt", "tanh",
+                "neg", "abs", "square", "select_n", "convert_element_type", "integer_pow",
+                "logistic", "erf", "pow", "sign", "and", "or", "not", "gt", "lt", "ge", "le",
+                "eq", "ne", "log1p", "expm1"}
+
+
+def kind_of_primitive(node: Node) -> str:
+    name = node.name
+    if name == "dot_general":
+        return "matmul"
+    if name.startswith("conv"):
+        return "conv"
+    if name.startswith("jax_ops_"):
+        return f"jax_ops {name[len('jax_ops_'):]}"
+    if node.subgraphs:
+        inner = {n.name for _, g in node.subgraphs for _, n in g.walk()}
+        ops = sorted(n[len("jax_ops_"):] for n in inner if n.startswith("jax_ops_"))
+        if ops:
+            return "jax_ops " + ",".join(ops)
+        return "call"
+    if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum"):
+        return "reduction"
+    if name in _ELEMENTWISE:
+        return "elementwise"
+    if name in ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "concatenate",
+                "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "pad"):
+        return "data movement"
+    return name
+
+
+def _block(x):
+    return jax.block_until_ready(x)
+
+
+def _run_nodes(graph: Graph, args, times, descend: bool, depth=0):
+    env = {}
+    for v in graph.consts:
+        env[v] = v.const
+    for v, a in zip(graph.inputs, args):
+        env[v] = a
+
+    def read(a):
+        return a.value if isinstance(a, Literal) else env[a]
+    for node in graph.nodes:
+        vals = [read(a) for a in node.inputs]
+        if descend and node.name in ("jit", "pjit", "closed_call", "core_call"):
+            outs = _run_nodes(node.subgraphs[0][1], vals, times, descend, depth + 1)
+        else:
+            t0 = time.perf_counter()
+            outs = node.primitive.bind(*vals, **node.primitive.get_bind_params(node.params))
+            _block(outs)
+            dt = time.perf_counter() - t0
+            if times is not None:
+                times.append((node, dt))
+            if not node.primitive.multiple_results:
+                outs = [outs]
+        for o, val in zip(node.outputs, outs):
+            env[o] = val
+    return [read(o) for o in graph.outputs]
+
+
+def _cpu_profile(fn, args, kwargs, descend: bool, repeat: int) -> Profile:
+    closed, in_tree, _, flat = make_closed_jaxpr(fn, args, kwargs)
+    graph = Graph.from_jaxpr(closed.jaxpr, closed.consts)
+    _run_nodes(graph, flat, None, descend)  # warm-up: per-primitive compilation
+    best: dict = {}
+    for _ in range(repeat):
+        times: list = []
+        _run_nodes(graph, flat, times, descend)
+        for i, (node, dt) in enumerate(times):
+            best[i] = (node, min(dt, best[i][1]) if i in best else dt)
+    groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
+    for node, dt in best.values():
+        key = (node.location, kind_of_primitive(node), node.module_path)
+        g = groups[key]
+        g[0] += 1
+        g[1] += dt * 1e6
+        g[2].add(node.name)
+    rows = [Row(loc, kind, c, us, name=",".join(sorted(names)), module=mod)
+            for (loc, kind, mod), (c, us, names, _) in groups.items()]
+    return Profile(rows, sum(r.time_us for r in rows),
+                   f"per-equation wall clock on {jax.default_backend()}, min of {repeat}")
+
+
+# ---------------------------------------------------------------------- GPU ---
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_META = re.compile(r'metadata=\{([^}]*)\}')
+_FIELD = re.compile(r'(\w+)="?([^" ]*)"?')
+
+
+_SECTION_ROW = re.compile(r'^(\d+)\s+(?:"(.*)"|\{(.*)\})\s*$')
+
+
+def _stack_tables(hlo_text: str) -> dict:
+    """The FileNames/FunctionNames/FileLocations/StackFrames tables newer XLA prints
+    before the computations (metadata then refers to a stack_frame_id)."""
+    tables: dict = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line.strip() in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line.strip(), {})
+            continue
+        m = _SECTION_ROW.match(line.strip()) if current is not None else None
+        if m:
+            current[int(m.group(1))] = m.group(2) if m.group(2) is not None else \
+                {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", m.group(3))}
+        elif line.startswith(("%", "ENTRY", "HloModule")) and current is not None and tables:
+            current = None
+    return tables
+
+
+def _frame_location(tables: dict, frame_id: int) -> str | None:
+    """file:line of the innermost frame outside installed packages on the stack (the
+    innermost one if all are), following parent links (printed 1-based: 0 = none)."""
+    frames, locs = tables.get("StackFrames", {}), tables.get("FileLocations", {})
+    files = tables.get("FileNames", {})
+    first = None
+    seen = set()
+    while frame_id and frame_id in frames and frame_id not in seen:
+        seen.add(frame_id)
+        frame = frames[frame_id]
+        loc = locs.get(frame.get("file_location_id"))
+        if loc is not None:
+            where = f"{files.get(loc.get('file_name_id'), '?')}:{loc.get('line', '?')}"
+            first = first or where
+            if not any(p in where for p in ("site-packages", "dist-packages")):
+                return where
+        frame_id = frame.get("parent_frame_id", 0) - 1
+    return first
+
+
+def hlo_metadata(hlo_text: str) -> tuple[dict, list]:
+    """(instruction name -> {op_name, source_file, source_line} for every instruction
+    of the compiled HLO (fusions carry their root's metadata), the custom-call
+    instructions in program order (the scheduled entry computation's order))."""
+    out, custom_calls = {}, []
+    tables = _stack_tables(hlo_text)
+    for line in hlo_text.splitlines():
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        meta = _META.search(m.group(2))
+        fields = dict(_FIELD.findall(meta.group(1))) if meta else {}
+        if "source_file" in fields:
+            fields["location"] = f"{fields['source_file']}:{fields.get('source_line', '?')}"
+        elif fields.get("stack_frame_id", "").isdigit():
+            where = _frame_location(tables, int(fields["stack_frame_id"]))
+            if where:
+                fields["location"] = where
+        target = re.search(r'custom_call_target="([^"]+)"', m.group(2))
+        if target:
+            fields["custom_call_target"] = target.group(1)
+            custom_calls.append(m.group(1))
+        out[m.group(1)] = fields
+    return out, custom_calls
+
+
+def _kernel_kind(kernel: str, instr: str | None, op_name: str, target: str = "") -> str:
+    k = (kernel + " " + target).lower()
+    if "jax_ops" in k or "jax_ops" in op_name:
+        m = re.search(r"jax_ops[_:]+(\w+)", kernel + " " + op_name)
+        return f"jax_ops {m.group(1)}" if m else "jax_ops"
+    if any(s in k for s in ("gemm", "xmma", "cutlass", "cublas", "matmul", "dot")):
+        return "matmul"
+    if "conv" in k:
+        return "conv"
+    if "reduce" in k or "reduction" in k:
+        return "reduction fusion"
+    if "fusion" in k or (instr and "fusion" in instr):
+        return "fusion"
+    return "kernel"
+
+
+def _family(name: str) -> str:
+    """Which custom calls launch a kernel of this name (or a call of this target):
+    cuBLAS, our FFI kernels (namespace jax_ops), or others (Triton/Pallas...)."""
+    n = name.lower()
+    if any(s in n for s in ("gemm", "xmma", "cutlass", "cublas", "matmul")):
+        return "cublas"
+    if "jax_ops" in n:
+        return "jax_ops"
+    return "other"
+
+
+def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
+    from jax.experimental.mosaic.gpu import profiler
+    jitted = jax.jit(fn)
+    compiled = jitted.lower(*args, **kwargs).compile()
+    meta, custom_calls = hlo_metadata(compiled.as_text())
+    by_sanitized = {re.sub(r"[^\w]", "_", k): k for k in meta}
+    # Kernels not named after an instruction (cuBLAS, our FFI and Pallas kernels) are
+    # launched by custom calls: each goes to the next custom call of its family in
+    # program order (best effort: a call launching several kernels shifts the rest).
+    pending = list(custom_calls)
+    # measure() runs the compiled executable once to warm up, then times `repeat` runs
+    # (kernel name, ms) each.
+    _, per_run = profiler.measure(compiled, aggregate=False, iterations=repeat)(*args, **kwargs)
+    if per_run and isinstance(per_run[0], tuple):
+        per_run = [per_run]
+    # Kernels of the fastest run (CUPTI: launch order, ms each).
+    run = min(per_run or [[]], key=lambda r: sum(t for _, t in r))
+    groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
+    for kernel, ms in run:
+        instr = kernel if kernel in meta else by_sanitized.get(re.sub(r"[^\w]", "_", kernel))
+        if instr is None:
+            family = _family(kernel)
+            instr = next((c for c in pending if _family(meta[c].get("custom_call_target", "")) == family),
+                         None)
+        if instr in pending:
+            pending.remove(instr)
+        fields = meta.get(instr, {}) if instr else {}
+        loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
+        kind = _kernel_kind(kernel, instr, fields.get("op_name", ""),
+                            fields.get("custom_call_target", ""))
+        key = (loc, kind, fields.get("op_name", ""))
+        g = groups[key]
+        g[0] += 1
+        g[1] += ms * 1e3
+        g[2].add(kernel)
+    rows = [Row(loc, kind, c, us, name=",".join(sorted(n)), module=op)
+            for (loc, kind, op), (c, us, n, _) in groups.items()]
+    return Profile(rows, sum(r.time_us for r in rows), f"CUPTI kernel times, best of {repeat}")
+
+
+def profile(fn, *args, descend: bool = False, repeat: int = 3, **kwargs) -> Profile:
+    """Where the time of fn(*args, **kwargs) goes: rows with location, kind, count,
+    time_us and percent, sorted by time. On GPU: CUPTI per-kernel times of the
+    compiled function mapped to HLO source metadata; elsewhere: per-equation wall
+    clock of an eager run (descend=True times the bodies of jit calls equation by
+    equation instead of as one row)."""
+    if not callable(fn):
+        raise TypeError(f"jax_ops.fx.profile: fn must be callable; got {type(fn).__name__}")
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or repeat < 1:
+        raise ValueError(f"jax_ops.fx.profile: repeat must be an int >= 1; got {repeat!r}")
+    if jax.default_backend() == "gpu":
+        try:
+            return _gpu_profile(fn, args, kwargs, repeat)
+        except (ImportError, RuntimeError) as e:  # no CUPTI (mosaic GPU extension) here
+            prof = _cpu_profile(fn, args, kwargs, descend, repeat)
+            prof.method += f" (CUPTI unavailable: {e})"
+            return prof
+    return _cpu_profile(fn, args, kwargs, descend, repeat)

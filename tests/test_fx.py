@@ -1,0 +1,616 @@
+"""jax_ops.fx: trace/tabular, optimize (exact rewrites), near misses, rewrites(),
+register_pattern, profile. CPU; policy="always" (the automatic choice is XLA on CPU,
+so policy="auto" never rewrites there, which one test checks)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ops
+from jax_ops import fx
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+
+
+def _ops_in(fn, *args):
+    """Names of jax_ops primitives anywhere in fn's jaxpr."""
+    g = fx.trace(fn, *args)
+    return {n.name for _, n in g.walk() if n.name.startswith("jax_ops_")}
+
+
+def _close(a, b, dtype):
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def _f32(tree):
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _agree(fast, orig, truth, dtype):
+    """fast within tolerance of orig; in half precision, where the original is itself
+    further off (it rounds its intermediates to bf16, jax_ops computes in float32),
+    fast must be at least as close to the float32 truth as the original is."""
+    fast, orig, truth = (np.asarray(a, np.float32) for a in (fast, orig, truth))
+    tol = TOL[dtype]
+    if np.allclose(fast, orig, rtol=tol, atol=tol):
+        return
+    assert dtype != jnp.float32, np.abs(fast - orig).max()
+    err_fast, err_orig = np.abs(fast - truth).max(), np.abs(orig - truth).max()
+    assert err_fast <= err_orig + tol, (err_fast, err_orig)
+
+
+def _check(fn, args, dtype, *, expect_op, grad_argnums=0):
+    """fast = optimize(fn, "always") contains expect_op and agrees with fn in value,
+    under jit, under grad and under vmap."""
+    fast = jax_ops.optimize(fn, policy="always")
+    assert expect_op in _ops_in(fast, *args), fx.rewrites(fn, *args, policy="always")
+    assert not _ops_in(fn, *args)
+    truth = fn(*_f32(args))
+    _agree(fast(*args), fn(*args), truth, dtype)
+    _agree(jax.jit(fast)(*args), fn(*args), truth, dtype)
+
+    def loss(f):
+        return lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+    g_fast = jax.grad(loss(fast), argnums=grad_argnums)(*args)
+    g_ref = jax.grad(loss(fn), argnums=grad_argnums)(*args)
+    g_truth = jax.grad(loss(fn), argnums=grad_argnums)(*_f32(args))
+    jax.tree_util.tree_map(lambda a, b, c: _agree(a, b, c, dtype), g_fast, g_ref, g_truth)
+    batched = [jnp.stack([a, a * 0.5]) for a in args[:1]] + list(args[1:])
+    in_axes = (0,) + (None,) * (len(args) - 1)
+    _agree(jax.vmap(fast, in_axes)(*batched), jax.vmap(fn, in_axes)(*batched),
+           jax.vmap(fn, in_axes)(*_f32(batched)), dtype)
+    return fast
+
+
+def _x(shape, dtype=jnp.float32, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape) * 2 + 0.5, dtype)
+
+
+# ------------------------------------------------------------------ trace ---
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        x = nn.LayerNorm()(x)
+        return nn.relu(x)
+
+
+def test_trace_tabular_shows_module_paths_and_source_lines():
+    m = MLP()
+    x = _x((4, 8))
+    params = m.init(jax.random.key(0), x)
+    g = fx.trace(m.apply, params, x)
+    table = g.tabular()
+    assert "MLP/Dense_0" in table and "MLP/LayerNorm_0" in table
+    assert "test_fx.py:" in table  # the user frame, not flax's file
+    dot = next(n for n in g.nodes if n.name == "dot_general")
+    assert dot.module_path == "MLP/Dense_0"
+    dense_line = next(i for i, line in enumerate(open(__file__), 1) if "nn.Dense(16)(x)" in line)
+    assert dot.location.endswith(f"test_fx.py:{dense_line}")
+    assert dot.outputs[0].shape == (4, 16) and dot.outputs[0].dtype == jnp.float32
+    relu = [n for n in g.nodes if n.name == "custom_jvp_call"]
+    assert relu and relu[0].subgraphs  # jax.nn.relu's body can be walked
+    assert any(depth > 0 for depth, _ in g.walk())
+
+
+def test_trace_walks_nested_bodies():
+    def f(x):
+        def body(c, xi):
+            return c + jnp.sin(xi), c
+        c, ys = jax.lax.scan(body, 0.0, x)
+        return jax.checkpoint(lambda y: jnp.cos(y))(ys) + c
+    g = fx.trace(f, jnp.ones(3))
+    names = [n.name for _, n in g.walk()]
+    assert "scan" in names and "sin" in names and "cos" in names
+
+
+def test_trace_rejects_non_callable():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        fx.trace(3, jnp.ones(2))
+
+
+# --------------------------------------------------------------- optimize ---
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("fast_var", [True, False])
+def test_flax_linen_layer_norm(dtype, fast_var):
+    m = nn.LayerNorm(use_fast_variance=fast_var, epsilon=1e-5)
+    x = _x((3, 5, 32), dtype)
+    params = m.init(jax.random.key(0), x)
+    params = jax.tree_util.tree_map(lambda p: p + 0.3 * _x(p.shape, p.dtype, 1), params)
+    _check(lambda x, p: m.apply(p, x), (x, params), dtype, expect_op="jax_ops_norm_fwd",
+           grad_argnums=(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_flax_linen_rms_norm(dtype):
+    m = nn.RMSNorm()
+    x = _x((6, 64), dtype)
+    params = m.init(jax.random.key(0), x)
+    _check(lambda x, p: m.apply(p, x), (x, params), dtype, expect_op="jax_ops_norm_fwd",
+           grad_argnums=(0, 1))
+
+
+def test_flax_linen_layer_norm_with_dtype_bf16_output():
+    m = nn.LayerNorm(dtype=jnp.bfloat16)
+    x = _x((4, 16))
+    params = m.init(jax.random.key(0), x)
+    fast = jax_ops.optimize(lambda x: m.apply(params, x), policy="always")
+    assert fast(x).dtype == jnp.bfloat16
+    assert "jax_ops_norm_fwd" in _ops_in(fast, x)
+    _close(fast(x), m.apply(params, x), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_flax_nnx_layer_norm(dtype):
+    m = nnx.LayerNorm(24, rngs=nnx.Rngs(0), param_dtype=dtype)
+    x = _x((5, 24), dtype)
+    _check(lambda x: m(x), (x,), dtype, expect_op="jax_ops_norm_fwd")
+
+
+def test_flax_nnx_rms_norm():
+    m = nnx.RMSNorm(24, rngs=nnx.Rngs(0))
+    x = _x((5, 24))
+    _check(lambda x: m(x), (x,), jnp.float32, expect_op="jax_ops_norm_fwd")
+
+
+@pytest.mark.parametrize("algorithm", ["fast", "stable"])
+def test_jax_nn_standardize(algorithm):
+    x = _x((7, 48))
+    _check(lambda x: jax.nn.standardize(x, epsilon=1e-4, algorithm=algorithm), (x,),
+           jnp.float32, expect_op="jax_ops_norm_fwd")
+
+
+def test_handwritten_layer_norm_in_float32_with_cast_back():
+    def ln(x, s, b):
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.var(xf, axis=-1, keepdims=True)
+        y = (xf - mean) / jnp.sqrt(var + 1e-6)
+        y = y * s
+        y = y + b
+        return y.astype(x.dtype)
+    x, s, b = _x((4, 32), jnp.bfloat16), _x((32,), seed=2), _x((32,), seed=3)
+    _check(ln, (x, s, b), jnp.bfloat16, expect_op="jax_ops_norm_fwd", grad_argnums=(0, 1, 2))
+    recs = fx.rewrites(ln, x, s, b, policy="always")
+    assert [r.pattern for r in recs.replaced] == ["layer_norm"]
+    assert recs[0].params["epsilon"] == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_handwritten_rms_norm_inside_a_user_jit(dtype):
+    @jax.jit
+    def rms(x, s):
+        ms = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(ms + 1e-6) * s
+    _check(lambda x, s: rms(x, s) + 1.0, (_x((3, 4, 16), dtype), _x((16,), dtype, seed=1)), dtype,
+           expect_op="jax_ops_norm_fwd", grad_argnums=(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_and_log_softmax(dtype, log):
+    f = jax.nn.log_softmax if log else jax.nn.softmax
+    x = _x((4, 3, 40), dtype)
+    _check(lambda x: f(x), (x,), dtype, expect_op="jax_ops_softmax_fwd")
+
+
+def test_scaled_softmax_keeps_scale():
+    x = _x((4, 40))
+    fast = _check(lambda x: jax.nn.softmax(x * 0.125), (x,), jnp.float32,
+                  expect_op="jax_ops_softmax_fwd")
+    eqn = next(n for _, n in fx.trace(fast, x).walk() if n.name == "jax_ops_softmax_fwd")
+    assert eqn.params["scale"] == 0.125
+
+
+def test_softmax_over_another_axis_passes_axis():
+    x = _x((6, 5, 7))
+    fast = _check(lambda x: jax.nn.softmax(x, axis=0), (x,), jnp.float32,
+                  expect_op="jax_ops_softmax_fwd")
+    eqn = next(n for _, n in fx.trace(fast, x).walk() if n.name == "jax_ops_softmax_fwd")
+    assert eqn.params["axis"] == -3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_relu_models(dtype):
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.Dense(16, dtype=dtype, param_dtype=dtype)(x))
+    m = M()
+    x = _x((4, 8), dtype)
+    p = m.init(jax.random.key(0), x)
+    _check(lambda x: m.apply(p, x), (x,), dtype, expect_op="jax_ops_relu_fwd")
+    _check(lambda x: jnp.maximum(x, 0), (x,), dtype, expect_op="jax_ops_relu_fwd")
+
+
+def test_add_relu():
+    x, z = _x((4, 16)), _x((4, 16), seed=1)
+    fast = jax_ops.optimize(lambda x, z: jax.nn.relu(x + z), policy="always")
+    g = fx.trace(fast, x, z)
+    fwd = [n for _, n in g.walk() if n.name == "jax_ops_relu_fwd"]
+    assert fwd and fwd[0].params["has_z"]
+    _close(fast(x, z), jax.nn.relu(x + z), jnp.float32)
+    gf = jax.grad(lambda x, z: jnp.sum(fast(x, z) ** 2), argnums=(0, 1))(x, z)
+    gr = jax.grad(lambda x, z: jnp.sum(jax.nn.relu(x + z) ** 2), argnums=(0, 1))(x, z)
+    jax.tree_util.tree_map(lambda a, b: _close(a, b, jnp.float32), gf, gr)
+
+
+def test_rewrites_inside_checkpoint_and_scan_bodies():
+    def block(c, x):
+        return c, jax.nn.relu(x)
+
+    def f(xs):
+        _, ys = jax.lax.scan(block, 0.0, xs)
+        return jax.checkpoint(lambda y: jax.nn.softmax(y))(ys)
+    xs = _x((3, 4, 8))
+    fast = jax_ops.optimize(f, policy="always")
+    assert {"jax_ops_relu_fwd", "jax_ops_softmax_fwd"} <= _ops_in(fast, xs)
+    _close(fast(xs), f(xs), jnp.float32)
+    _close(jax.grad(lambda x: jnp.sum(jnp.sin(fast(x))))(xs),
+           jax.grad(lambda x: jnp.sum(jnp.sin(f(x))))(xs), jnp.float32)
+
+
+def test_auto_policy_does_not_rewrite_on_cpu():
+    x = _x((4, 32))
+    fast = jax_ops.optimize(jax.nn.softmax)
+    assert not _ops_in(fast, x)
+    recs = fx.rewrites(jax.nn.softmax, x)
+    assert len(recs) == 1 and not recs[0].replaced
+    assert recs[0].reason == "not faster on cpu"
+
+
+def test_signature_cache_and_pytrees():
+    calls = []
+
+    def f(d):
+        calls.append(1)
+        return {"y": jax.nn.relu(d["a"]) + d["b"]}
+    fast = jax_ops.optimize(f, policy="always")
+    d = {"a": _x((3, 4)), "b": _x((3, 4), seed=1)}
+    out1 = fast(d)
+    out2 = fast({"a": d["a"] * 2, "b": d["b"]})
+    assert len(calls) == 1  # one trace for one signature
+    fast({"a": _x((5, 4)), "b": _x((5, 4))})
+    assert len(calls) == 2
+    _close(out1["y"], f(d)["y"], jnp.float32)
+    assert out2["y"].shape == (3, 4)
+
+
+def test_optimize_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        jax_ops.optimize(None)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        jax_ops.optimize(jax.nn.relu, policy="sometimes")
+    with pytest.raises(ValueError, match="patterns: unknown pattern 'gelu'"):
+        jax_ops.optimize(jax.nn.relu, patterns=["gelu"])
+    with pytest.raises(ValueError, match="exclude: unknown pattern"):
+        jax_ops.optimize(jax.nn.relu, exclude=["nope"])
+
+
+def test_exclude_and_patterns_select():
+    x = _x((4, 16))
+
+    def f(x):
+        return jax.nn.relu(jax.nn.softmax(x))
+    assert _ops_in(jax_ops.optimize(f, policy="always", exclude=["relu"]), x) == {"jax_ops_softmax_fwd"}
+    assert _ops_in(jax_ops.optimize(f, policy="always", patterns=["relu"]), x) == {"jax_ops_relu_fwd"}
+
+
+# ------------------------------------------------------------- near misses ---
+
+def _not_rewritten(fn, *args, pattern="layer_norm"):
+    fast = jax_ops.optimize(fn, policy="always", patterns=[pattern])
+    assert not _ops_in(fast, *args), fx.rewrites(fn, *args, policy="always")
+    recs = fx.rewrites(fn, *args, policy="always", patterns=[pattern])
+    assert not recs.replaced
+    _close(fast(*args), fn(*args), jnp.float32)
+    return recs
+
+
+X, S, B = _x((4, 32)), _x((32,), seed=2), _x((32,), seed=3)
+
+
+def test_near_miss_eps_outside_sqrt():
+    def f(x, s, b):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (x - mean) / (jnp.sqrt(var) + 1e-5) * s + b
+    _not_rewritten(f, X, S, B)
+
+
+def test_near_miss_mean_also_returned():
+    def f(x, s, b):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * s + b, mean
+    fast = jax_ops.optimize(f, policy="always", patterns=["layer_norm"])
+    assert not _ops_in(fast, X, S, B)
+    recs = fx.rewrites(f, X, S, B, policy="always", patterns=["layer_norm"])
+    assert recs and not recs.replaced
+    assert any("intermediate mean used elsewhere" in r.reason for r in recs), str(recs)
+
+
+def test_near_miss_scale_applied_before_the_mean():
+    def f(x, s, b):
+        xs = x * s
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (xs - mean) * jax.lax.rsqrt(var + 1e-5) + b
+    _not_rewritten(f, X, S, B)
+
+
+def test_near_miss_variance_with_ddof_1():
+    def f(x, s, b):
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.var(x, -1, keepdims=True, ddof=1)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * s + b
+    recs = _not_rewritten(f, X, S, B)
+    assert recs and all("literal" in r.reason for r in recs), str(recs)
+
+
+def test_near_miss_normalization_over_axis_0():
+    def f(x):
+        mean = jnp.mean(x, 0, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), 0, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5)
+    recs = _not_rewritten(f, X)
+    assert recs and all("axes=" in r.reason for r in recs), str(recs)
+
+
+def test_near_miss_softmax_over_two_axes():
+    x = _x((4, 5, 6))
+    recs = _not_rewritten(lambda x: jax.nn.softmax(x, axis=(1, 2)), x, pattern="softmax")
+    assert recs and "axes=" in recs[0].reason
+
+
+def test_near_miss_parameter_differs_between_its_uses():
+    fx.register_pattern("softcap", lambda x, *, cap: cap * jnp.tanh(x / cap),
+                        lambda x, *, cap: jnp.clip(x, -cap, cap),  # a stand-in replacement
+                        example_args=(jax.ShapeDtypeStruct((4, 8), jnp.float32),),
+                        params={"cap": 30.0})
+    try:
+        x = _x((4, 8)) * 20
+        recs = _not_rewritten(lambda x: 30.0 * jnp.tanh(x / 50.0), x, pattern="softcap")
+        assert "parameter cap is" in recs[0].reason and "in another" in recs[0].reason
+        fast = jax_ops.optimize(lambda x: 30.0 * jnp.tanh(x / 30.0), policy="always",
+                                patterns=["softcap"])
+        np.testing.assert_allclose(fast(x), jnp.clip(x, -30.0, 30.0))  # the match is used
+    finally:
+        fx.unregister_pattern("softcap")
+
+
+def test_relu_of_a_sum_with_broadcast_is_add_relu_of_the_broadcast():
+    x, b = _x((4, 16)), _x((16,), seed=1)
+    fast = jax_ops.optimize(lambda x, b: jax.nn.relu(x + b), policy="always")
+    _close(fast(x, b), jax.nn.relu(x + b), jnp.float32)
+    gf = jax.grad(lambda x, b: jnp.sum(fast(x, b) ** 2), argnums=1)(x, b)
+    gr = jax.grad(lambda x, b: jnp.sum(jax.nn.relu(x + b) ** 2), argnums=1)(x, b)
+    _close(gf, gr, jnp.float32)
+
+
+def test_custom_vjp_body_is_reported_not_rewritten():
+    @jax.custom_vjp
+    def f(x):
+        return jax.nn.relu(x)
+    f.defvjp(lambda x: (f(x), x), lambda x, g: (g * 3.0,))
+    x = _x((4, 8))
+    fast = jax_ops.optimize(f, policy="always")
+    assert not _ops_in(fast, x)
+    recs = fx.rewrites(f, x, policy="always")
+    assert recs and not recs.replaced and "inside a custom_vjp_call body" in recs[0].reason
+    np.testing.assert_allclose(jax.grad(lambda x: fast(x).sum())(x), 3.0)
+
+
+# -------------------------------------------------------- register_pattern ---
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+def test_register_pattern_gelu_tanh():
+    fx.register_pattern("gelu_tanh", _gelu_tanh, lambda x: jax.nn.gelu(x, approximate=True),
+                        example_args=(jnp.ones((4, 8)),))
+    try:
+        x = _x((3, 8))
+
+        def model(x):
+            return _gelu_tanh(x * 2.0) + 1.0
+        fast = jax_ops.optimize(model, policy="always", patterns=["gelu_tanh"])
+        recs = fx.rewrites(model, x, policy="always", patterns=["gelu_tanh"])
+        assert len(recs.replaced) == 1 and recs[0].pattern == "gelu_tanh"
+        _close(fast(x), model(x), jnp.float32)
+        # gelu written with another constant is not gelu
+        off = lambda x: 0.5 * x * (1.0 + jnp.tanh(0.8 * (x + 0.044715 * x ** 3)))  # noqa: E731
+        assert not fx.rewrites(off, x, policy="always", patterns=["gelu_tanh"]).replaced
+    finally:
+        fx.unregister_pattern("gelu_tanh")
+
+
+def test_register_pattern_rejects_bad_input():
+    with pytest.raises(TypeError, match="reference must be callable"):
+        fx.register_pattern("p", 1, jax.nn.relu, example_args=(jnp.ones(3),))
+    with pytest.raises(TypeError, match="example_args must be"):
+        fx.register_pattern("p", jax.nn.relu, jax.nn.relu, example_args=3)
+    with pytest.raises(ValueError, match="never reach the traced reference"):
+        fx.register_pattern("p", lambda x, *, a: x * math.sqrt(a), jax.nn.relu,
+                            example_args=(jnp.ones(3),), params={"a": 2.0})
+
+
+# ----------------------------------------------------------------- profile ---
+
+def test_profile_on_cpu():
+    m = MLP()
+    x = _x((64, 8))
+    params = m.init(jax.random.key(0), x)
+    prof = fx.profile(m.apply, params, x)
+    assert prof.rows and all(r.time_us >= 0 and r.count >= 1 for r in prof.rows)
+    assert any(r.kind == "matmul" and "test_fx.py:" in r.location for r in prof.rows)
+    assert abs(sum(r.percent for r in prof.rows) - 100.0) < 1e-6
+    assert [r.time_us for r in prof.rows] == sorted((r.time_us for r in prof.rows), reverse=True)
+    assert "time_us" in str(prof)
+
+
+def test_rewrites_inside_cond_and_while_bodies():
+    def f(x, i):
+        y = jax.lax.switch(i, [jax.nn.relu, lambda v: jax.nn.softmax(v)], x)
+        return jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (jax.nn.relu(c[0] - 0.5), c[1] + 1),
+                                  (y, 0))[0]
+    x = _x((4, 8))
+    fast = jax_ops.optimize(f, policy="always")
+    assert {"jax_ops_relu_fwd", "jax_ops_softmax_fwd"} <= _ops_in(fast, x, 1)
+    for i in (0, 1):
+        _close(fast(x, i), f(x, i), jnp.float32)
+        _close(jax.jit(fast)(x, i), f(x, i), jnp.float32)
+
+
+def test_softmax_with_where_is_not_rewritten():
+    # jax_ops' mask semantics differ on fully masked rows: where= is never matched
+    x = _x((4, 8))
+    keep = jnp.arange(8) < 5
+    f = lambda x: jax.nn.softmax(x, where=keep)  # noqa: E731
+    fast = jax_ops.optimize(f, policy="always")
+    assert not _ops_in(fast, x)
+    np.testing.assert_allclose(fast(x), f(x), rtol=1e-6)
+
+
+def test_rewrites_report_table_and_trace_of_optimized_model():
+    m = MLP()
+    x = _x((4, 8))
+    p = m.init(jax.random.key(0), x)
+    recs = fx.rewrites(m.apply, p, x, policy="always")
+    assert [r.pattern for r in recs] == ["layer_norm", "relu"]
+    assert all(r.replaced and r.module.startswith("MLP") for r in recs)
+    assert "flax.linen.LayerNorm" in str(recs) and "test_fx.py:" in str(recs)
+
+
+def test_match_the_replacement_refuses_is_kept():
+    def ln(x):  # a negative epsilon: jax_ops.layer_norm refuses it
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + -1e-9)
+    x = _x((4, 16))
+    recs = fx.rewrites(ln, x, policy="always")
+    assert len(recs) == 1 and not recs[0].replaced
+    assert "refuses" in recs[0].reason and "epsilon" in recs[0].reason
+    _close(jax_ops.optimize(ln, policy="always")(x), ln(x), jnp.float32)
+
+
+def test_commuted_operands_match():
+    def ln(x, s, b):  # gamma * xhat + beta, operands the other way round
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return b + s * ((x - mean) * jax.lax.rsqrt(var + 1e-5))
+    _check(ln, (X, S, B), jnp.float32, expect_op="jax_ops_norm_fwd", grad_argnums=(0, 1, 2))
+    _check(lambda x: jnp.maximum(0.0, x), (X,), jnp.float32, expect_op="jax_ops_relu_fwd")
+    recs = fx.rewrites(lambda x, z: jax.nn.relu(z + x), X, X * 2, policy="always")
+    assert [r.pattern for r in recs.replaced] == ["add_relu"]
+
+
+def test_commuted_near_miss_still_rejected():
+    def f(x, s, b):  # the scale multiplies the mean, not the normalized value
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return b + (x - s * mean) * jax.lax.rsqrt(var + 1e-5)
+    _not_rewritten(f, X, S, B)
+
+
+def test_hlo_metadata_maps_instructions_to_source_lines():
+    # The GPU profile maps each CUPTI kernel to the HLO instruction of its name; the
+    # mapping from instruction to file:line is checked here on CPU-compiled HLO.
+    from jax_ops.fx.profile import hlo_metadata
+
+    def f(x, w):
+        y = x @ w
+        return jnp.sin(y) * 2
+    text = jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()
+    meta, _ = hlo_metadata(text)
+    lines = {m["location"] for m in meta.values() if "location" in m}
+    first = f.__code__.co_firstlineno
+    assert f"{__file__}:{first + 1}" in lines and f"{__file__}:{first + 2}" in lines, lines
+
+
+def test_prng_keys_and_integer_inputs_pass_through():
+    def f(key, x, n):
+        noise = jax.random.normal(key, x.shape)
+        return jax.nn.relu(x + noise) * n
+    key, x = jax.random.key(1), _x((4, 8))
+    assert "key<" in fx.trace(f, key, x, 3).tabular()
+    fast = jax_ops.optimize(f, policy="always")
+    assert "jax_ops_relu_fwd" in _ops_in(fast, key, x, 3)
+    _close(fast(key, x, 3), f(key, x, 3), jnp.float32)
+    _close(jax.jit(fast)(key, x, 3), f(key, x, 3), jnp.float32)
+
+
+def test_relu_ties_keep_the_original_derivative():
+    # jax.nn.relu: slope 0 at 0 (as jax_ops.relu); jnp.maximum(x, 0): 0.5 (lax.max)
+    x = jnp.asarray([-1.0, 0.0, -0.0, 2.0, 0.0])
+    z = jnp.asarray([1.0, 0.0, 0.0, -1.0, 1.0])
+    for fn, args in ((lambda x: jnp.maximum(x, 0.0), (x,)), (jax.nn.relu, (x,)),
+                     (lambda x, z: jnp.maximum(x + z, 0.0), (x, z)),
+                     (lambda x, z: jax.nn.relu(x + z), (x, z))):
+        fast = jax_ops.optimize(fn, policy="always")
+        assert "jax_ops_relu_fwd" in _ops_in(fast, *args)
+        argnums = tuple(range(len(args)))
+        got = jax.grad(lambda *a: fast(*a).sum(), argnums)(*args)
+        want = jax.grad(lambda *a: fn(*a).sum(), argnums)(*args)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+
+
+def test_auto_policy_follows_the_library_choice(monkeypatch):
+    # Where jax_ops.explain picks one of our kernels (as on a GPU), auto replaces.
+    from jax_ops.dispatch import Explanation
+    calls = []
+
+    def fake_explain(fn, *args, **kw):
+        calls.append(args)
+        return Explanation([type("D", (), {"implementation": "pallas"})()])
+    monkeypatch.setattr(jax_ops, "explain", fake_explain)
+    x = _x((4, 32))
+    fast = jax_ops.optimize(jax.nn.softmax)
+    assert "jax_ops_softmax_fwd" in _ops_in(fast, x)
+    assert calls and calls[0][0].shape == (4, 32)
+    assert fx.rewrites(jax.nn.softmax, x)[0].replaced
+
+
+def test_patterns_keep_priority_order_whatever_order_they_are_named_in():
+    x, z = _x((4, 16)), _x((4, 16), seed=1)
+    recs = fx.rewrites(lambda x, z: jax.nn.relu(x + z), x, z, policy="always",
+                       patterns=["relu", "add_relu"])
+    assert [r.pattern for r in recs.replaced] == ["add_relu"]
+
+
+def test_gpu_profile_maps_kernels_to_source(monkeypatch):
+    # The CUPTI path, run on CPU with measure() stubbed: kernels named like the
+    # compiled module's fusions (as XLA:GPU names them) plus an unnamed cuBLAS kernel.
+    from jax.experimental.mosaic.gpu import profiler
+    import importlib
+    prof_mod = importlib.import_module("jax_ops.fx.profile")  # jax_ops.fx.profile is also the function
+
+    def f(x, w):
+        y = x @ w
+        return jnp.sin(y) * 2
+    x, w = jnp.ones((8, 8)), jnp.ones((8, 8))
+    meta, _ = prof_mod.hlo_metadata(jax.jit(f).lower(x, w).compile().as_text())
+    fusions = [k for k in meta if "fusion" in k and "location" in meta[k]]
+    assert fusions
+
+    def fake_measure(compiled, aggregate, iterations):
+        runs = [[(name.replace(".", "_"), 0.002) for name in fusions] + [("sm90_xmma_gemm", 0.004)]]
+        return lambda *a, **k: (compiled(*a, **k), runs * iterations)
+    monkeypatch.setattr(profiler, "measure", fake_measure)
+    prof = prof_mod._gpu_profile(f, (x, w), {}, repeat=2)
+    assert abs(prof.total_us - (2 * len(fusions) + 4)) < 1e-6
+    assert any(r.kind == "matmul" and r.time_us == pytest.approx(4.0) for r in prof.rows)
+    first = f.__code__.co_firstlineno
+    assert any(r.location.endswith(f"test_fx.py:{first + 2}") for r in prof.rows), str(prof)
