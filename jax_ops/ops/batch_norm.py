@@ -142,24 +142,27 @@ def _fwd_abstract(x, z, scale, bias, mean_in, var_in, *, epsilon, training):
             core.ShapedArray(mask_shape(x.shape), MASK_DTYPE), chan, chan, chan)
 
 
-def batch_stats(x2):
-    """Per-channel mean and biased variance of (rows, C), two-pass in float32."""
-    xf = x2.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=0)
-    return mean, jnp.mean(jnp.square(xf - mean), axis=0)
+def _row_axes(a):
+    return tuple(range(a.ndim - 1))
+
+
+def batch_stats(x):
+    """Per-channel (last axis) mean and biased variance over all other axes, two-pass in
+    float32."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=_row_axes(x))
+    return mean, jnp.mean(jnp.square(xf - mean), axis=_row_axes(x))
 
 
 def _fwd_reference(x, z, scale, bias, mean_in, var_in, *, epsilon, training):
-    rows, c = _rows_channels(x.shape)
-    x2 = x.reshape(rows, c)
-    mean, var = batch_stats(x2) if training else (mean_in, var_in)
+    # on x's axes (not reshaped to rows): shardings in x's type (explicit mesh axes) carry over
+    mean, var = batch_stats(x) if training else (mean_in, var_in)
     rstd = jax.lax.rsqrt(var + epsilon)
-    pre = (x2.astype(jnp.float32) - mean) * (scale * rstd) + bias
+    pre = (x.astype(jnp.float32) - mean) * (scale * rstd) + bias
     if z is not None:
-        pre = pre + z.reshape(rows, c).astype(jnp.float32)
+        pre = pre + z.astype(jnp.float32)
     # jnp.maximum keeps NaN; the mask bit of NaN is clear
-    return (jnp.maximum(pre, 0).astype(x.dtype).reshape(x.shape),
-            pack_bits(pre > 0).reshape(mask_shape(x.shape)), mean, var, rstd)
+    return jnp.maximum(pre, 0).astype(x.dtype), pack_bits(pre > 0), mean, var, rstd
 
 
 # ---------------------------------------------------------------- sharding ---
@@ -193,7 +196,7 @@ def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, tra
 
 def _bwd_local(layout, mesh, *args, **params):
     def col_sums(arrays):
-        return jax.lax.psum(tuple(jnp.sum(a, axis=0) for a in arrays), layout.row_axes)
+        return jax.lax.psum(tuple(jnp.sum(a, axis=_row_axes(a)) for a in arrays), layout.row_axes)
     return _bwd_reference(*args, col_sums=col_sums, total_rows=_global_rows(layout), **params)
 
 
@@ -219,14 +222,13 @@ def _bwd_abstract(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_
 def _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z,
                    col_sums=None, total_rows=None):
     """col_sums(arrays): their per-channel sums over all rows, total_rows: their count
-    (psum'ed over devices when the rows are sharded)."""
-    rows, c = _rows_channels(x.shape)
+    (psum'ed over devices when the rows are sharded). On x's axes, like _fwd_reference."""
     if col_sums is None:
         def col_sums(arrays):
-            return tuple(jnp.sum(a, axis=0) for a in arrays)
-    total_rows = rows if total_rows is None else total_rows
-    g = jnp.where(unpack_bits(mask, (rows, c)), dy.reshape(rows, c).astype(jnp.float32), 0.0)
-    xhat = (x.reshape(rows, c).astype(jnp.float32) - mean) * rstd
+            return tuple(jnp.sum(a, axis=_row_axes(a)) for a in arrays)
+    total_rows = _rows_channels(x.shape)[0] if total_rows is None else total_rows
+    g = jnp.where(unpack_bits(mask, x.shape), dy.astype(jnp.float32), 0.0)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
     dbias, dscale = col_sums((g, g * xhat))
     a = scale * rstd
     dx = a * g
@@ -234,8 +236,8 @@ def _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has
         gmean = 0.0 if gmean is None else gmean
         gvar = 0.0 if gvar is None else gvar
         dx = dx + ((2.0 * gvar / rstd - a * dscale) / total_rows) * xhat + (gmean - a * dbias) / total_rows
-    dz = g.astype(x.dtype).reshape(x.shape) if has_z else None
-    return dx.astype(x.dtype).reshape(x.shape), dz, dscale, dbias
+    dz = g.astype(x.dtype) if has_z else None
+    return dx.astype(x.dtype), dz, dscale, dbias
 
 
 # --------------------------------------------------------- implementations ---
@@ -318,11 +320,11 @@ def _user_adapter(fn, backward, tunable):
         if training and isinstance(out, (tuple, list)):
             mean, var = (jnp.asarray(v, jnp.float32) for v in out[1:3])
         elif training:
-            mean, var = batch_stats(x.reshape(rows, c))
+            mean, var = batch_stats(x)
         else:
             mean, var = mean_in, var_in
         y = jnp.asarray(y).astype(x.dtype).reshape(x.shape)
-        return (y, pack_bits(y > 0).reshape(mask_shape(x.shape)), mean, var,
+        return (y, pack_bits(y > 0), mean, var,
                 jax.lax.rsqrt(var + epsilon))
 
     def bwd(call, dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):

@@ -66,7 +66,7 @@ def _fwd_reference(x, z):
     if z is not None:
         pre = pre + z.astype(jnp.float32)
     # jnp.maximum keeps NaN; the mask bit of NaN is clear
-    return jnp.maximum(pre, 0).astype(x.dtype), pack_bits(pre > 0).reshape(mask_shape(x.shape))
+    return jnp.maximum(pre, 0).astype(x.dtype), pack_bits(pre > 0)
 
 
 def _front(a, d, size):
@@ -150,7 +150,7 @@ def _user_adapter(fn, backward, tunable):
         kw = {"config": call.config} if tunable else {}
         y = fn(x, **kw) if z is None else fn(x, z, **kw)
         y = jnp.asarray(y).astype(x.dtype).reshape(x.shape)
-        return y, pack_bits(y > 0).reshape(mask_shape(x.shape))
+        return y, pack_bits(y > 0)
 
     def bwd(call, dy, mask, *, has_z):
         kw = {"config": call.config} if tunable else {}
