@@ -184,11 +184,10 @@ def _global_rows(layout):
 
 def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, training,
                implementation):
-    rows, c = _rows_channels(x.shape)
-    xf = x.reshape(rows, c).astype(jnp.float32)
+    xf = x.astype(jnp.float32)
     n = _global_rows(layout)
-    mean = jax.lax.psum(jnp.sum(xf, axis=0), layout.row_axes) / n
-    var = jax.lax.psum(jnp.sum(jnp.square(xf - mean), axis=0), layout.row_axes) / n
+    mean = jax.lax.psum(jnp.sum(xf, axis=_row_axes(x)), layout.row_axes) / n
+    var = jax.lax.psum(jnp.sum(jnp.square(xf - mean), axis=_row_axes(x)), layout.row_axes) / n
     y, mask, _, _, rstd = FWD.call(x, z, scale, bias, mean, var, epsilon=epsilon, training=False,
                                    implementation=implementation)
     return y, mask, mean, var, rstd
@@ -343,10 +342,11 @@ def _user_adapter(fn, backward, tunable):
 
 # ----------------------------------------------------------- declaration ---
 
+# Batching (both stages): statistics are per example, so the vmapped reference.
 FWD = Stage("bn_relu_fwd", "fwd", ("x", "z?", "scale", "bias", "mean_in?", "var_in?"),
             ("y", "mask", "mean", "var", "rstd"),
             op_of=lambda p: _op_name(p["present"][1]), abstract=_fwd_abstract,
-            reference=_fwd_reference,  # batching: statistics are per example (vmapped reference)
+            reference=_fwd_reference,
             roles={"x": "x", "z": "x", "scale": "cols", "bias": "cols", "mean_in": "cols",
                    "var_in": "cols", "y": "x", "mask": "mask", "mean": "cols", "var": "cols",
                    "rstd": "cols"},
