@@ -425,3 +425,18 @@ def test_autodiff_matches_jnp(op, training, impl):
     names = support.primitive_names(jax.make_jaxpr(jax.grad(f, argnums))(*args))
     assert BWD.prim.name in names, names
     assert not any(n.endswith("_tangent") for n in names), names
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_rows_sharded_training_keeps_the_implementation(impl):
+    """Rows sharded in training: each device normalizes its rows with the global
+    statistics by binding the forward stage with the implementation asked for (the
+    automatic choice on CPU would be XLA's)."""
+    need(impl)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("a",), devices=jax.devices()[:2])
+    x = jax.device_put(make(np.random.default_rng(5), (8, 4, 64), "float32"), NamedSharding(mesh, P("a")))
+    text = jax.jit(lambda x: jax_ops.batch_norm_relu(x, implementation=impl)).lower(x).compile().as_text()
+    assert ('custom_call_target="jax_ops_bn_relu_fwd"' in text) == (impl == "cuda")
+    assert "all-reduce" in text  # the global statistics
