@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_ops
-from jax_ops.relu import relu_fwd_p
+from jax_ops.ops.relu import FWD as RELU_FWD
 
 SIZES = [int(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
     1, 2, 3, 31, 32, 33, 255, 1000, 4099, 65537, 1 << 20]
@@ -41,8 +41,8 @@ for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
             got, ref = run(IMPL, fn, args, dy), run("xla", fn, args, dy)
             for g, r in zip(got, ref):
                 worst = max(worst, rel_err(g, r))
-            m1 = relu_fwd_p.bind(x, args[-1] if op == "add_relu" else jnp.zeros((0,)), has_z=op == "add_relu", implementation=IMPL)[1]
-            m2 = relu_fwd_p.bind(x, args[-1] if op == "add_relu" else jnp.zeros((0,)), has_z=op == "add_relu", implementation="xla")[1]
+            m1 = RELU_FWD.call(x, args[-1] if op == "add_relu" else None, implementation=IMPL)[1]
+            m2 = RELU_FWD.call(x, args[-1] if op == "add_relu" else None, implementation="xla")[1]
             if not np.array_equal(np.asarray(m1), np.asarray(m2)):
                 mask_errors += 1
                 print(f"MASK MISMATCH {op} {name} n={n}")

@@ -11,8 +11,8 @@ from jax_ops.core.registry import (implementations, register_implementation,
                                    unregister_implementation, use)
 from jax_ops.ops.layer_norm import layer_norm, rms_norm
 from jax_ops.ops.softmax import log_softmax, softmax
-#TMP from jax_ops.ops.relu import add_relu, relu
-#TMP from jax_ops.ops.batch_norm import batch_norm_add_relu, batch_norm_relu
+from jax_ops.ops.relu import add_relu, relu
+from jax_ops.ops.batch_norm import batch_norm_add_relu, batch_norm_relu
 from jax_ops.tuning import autotune
 from jax_ops._export import custom_call_targets, disabled_checks, export
 from jax_ops.fx import optimize  # also binds the jax_ops.fx subpackage

@@ -33,3 +33,21 @@ def need(op: str, impl: str | None) -> None:
         why = "" if _extension.IMPORT_ERROR is None else f"; extension import failed: {_extension.IMPORT_ERROR}"
         pytest.skip(f"implementation={impl!r} is not available for {op} on platform {PLATFORM!r} "
                     f"(available: {can}{why})")
+
+
+def primitive_names(closed_jaxpr) -> set[str]:
+    """Names of the primitives in a jaxpr, nested bodies (jit, scan, cond) included."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+    names: set[str] = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            names.add(eqn.primitive.name)
+            for v in eqn.params.values():
+                for item in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(item, ClosedJaxpr):
+                        walk(item.jaxpr)
+                    elif isinstance(item, Jaxpr):
+                        walk(item)
+    walk(closed_jaxpr.jaxpr)
+    return names

@@ -22,7 +22,7 @@ from jax.test_util import check_grads
 
 import jax_ops
 import support
-from jax_ops.batch_norm import bn_fwd_p
+from jax_ops.ops.batch_norm import BWD, FWD
 
 IMPLS = ("xla", "cuda", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -149,11 +149,9 @@ def _check(op, shape, dtype, impl, training, offset=0.0):
         assert_close("batch var", out[2], rv, 1e-4 if offset else 4 * TOL["float32"])
 
     # mask bits of the same call (the primitive), bit by bit against y > 0
-    yp, mask, *_ = bn_fwd_p.bind(
-        x, z if zz is not None else jnp.zeros((0,), jnp.float32), scale, bias,
-        jnp.zeros((0,), jnp.float32) if training else rmean,
-        jnp.zeros((0,), jnp.float32) if training else rvar,
-        epsilon=EPS, training=training, has_z=zz is not None, implementation=impl)
+    yp, mask, *_ = FWD.call(x, zz, scale, bias, None if training else rmean,
+                            None if training else rvar, epsilon=EPS, training=training,
+                            implementation=impl)
     bits, tail = bits_of(mask, x.size)
     np.testing.assert_array_equal(bits, (f64(yp) > 0).reshape(-1))
     assert not tail.any()
@@ -338,3 +336,107 @@ def test_errors_name_the_argument():
         jax_ops.batch_norm_add_relu(x, jnp.ones((4, 9)))
     with pytest.raises(TypeError, match=r"batch_norm_add_relu: z must have x's dtype float32; got bfloat16"):
         jax_ops.batch_norm_add_relu(x, x.astype(jnp.bfloat16))
+
+
+def _close_tree(got, want, rel):
+    """Every leaf within rel of the largest magnitude of its reference."""
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        g, w = f64(g), f64(w)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        scale = max(float(np.max(np.abs(w))), 1e-30) if w.size else 1.0
+        err = float(np.max(np.abs(g - w))) if w.size else 0.0
+        assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+def _flax_like(x, z, scale, bias, mean, var, *, training):
+    """flax.linen.BatchNorm (biased batch variance) + relu in float32 jnp."""
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim - 1))
+    if training:
+        mean = jnp.mean(xf, axes)
+        var = jnp.mean(jnp.square(xf - mean), axes)
+    pre = (xf - mean) * jax.lax.rsqrt(var + EPS) * scale + bias
+    y = jax.nn.relu(pre if z is None else pre + z.astype(jnp.float32)).astype(x.dtype)
+    return (y, mean, var) if training else y
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "infer"])
+@pytest.mark.parametrize("op", OPS)
+def test_autodiff_matches_jnp(op, training, impl):
+    """Forward mode, reverse mode and second order against a flax-like jnp BatchNorm+ReLU:
+    jvp, linearize, jacfwd, jacrev, the Hessian of a smooth scalar function (relu³ is C²;
+    in training it also uses the returned statistics), grad of grad and a Hessian-vector
+    product, w.r.t. x, z, scale, bias (and the given mean/var at inference). Reverse mode
+    runs the backward stage, not the tangent map."""
+    need(impl)
+    x, z, scale, bias, w, u, t = _inputs((4, 3, 5), "float32", seed_of(f"autodiff{op}{training}"))
+    rng = np.random.default_rng(seed_of(f"stats{op}{training}"))
+    mean = jnp.asarray(rng.normal(0, 0.5, 5).astype(np.float32))
+    var = jnp.asarray(rng.uniform(0.5, 2, 5).astype(np.float32))
+    has_z = op == "batch_norm_add_relu"
+    args = (x, scale, bias) + ((z,) if has_z else ()) + (() if training else (mean, var))
+
+    def split(a):  # args -> (x, z, scale, bias, mean, var)
+        x, scale, bias, *rest = a
+        zz = rest.pop(0) if has_z else None
+        m, v = (None, None) if training else rest
+        return x, zz, scale, bias, m, v
+
+    def ours(*a):
+        x, zz, scale, bias, m, v = split(a)
+        kw = {} if training else {"training": False, "mean": m, "var": v}
+        return call(op, x, zz, scale, bias, impl, **kw)
+
+    def ref(*a):
+        x, zz, scale, bias, m, v = split(a)
+        return _flax_like(x, zz, scale, bias, m, v, training=training)
+
+    def smooth(fn):
+        def loss(*a):
+            out = fn(*a)
+            if not training:
+                return jnp.sum(out ** 3 * w)
+            y, m, v = out
+            return jnp.sum(y ** 3 * w) + jnp.sum(m * u) + jnp.sum(v ** 2 * t)
+        return loss
+    f, f_ref = smooth(ours), smooth(ref)
+    argnums = tuple(range(len(args)))
+    trng = np.random.default_rng(7)
+    tangents = tuple(jnp.asarray(trng.standard_normal(a.shape).astype(np.float32)) for a in args)
+
+    _close_tree(jax.jvp(ours, args, tangents), jax.jvp(ref, args, tangents), 1e-4)
+    y, f_lin = jax.linearize(f, *args)
+    y_ref, f_lin_ref = jax.linearize(f_ref, *args)
+    _close_tree((y, f_lin(*tangents)), (y_ref, f_lin_ref(*tangents)), 1e-4)
+    _close_tree(jax.jacfwd(ours, argnums)(*args), jax.jacfwd(ref, argnums)(*args), 1e-4)
+    _close_tree(jax.jacrev(ours, argnums)(*args), jax.jacrev(ref, argnums)(*args), 1e-4)
+    _close_tree(jax.hessian(f, argnums)(*args), jax.hessian(f_ref, argnums)(*args), 1e-4)
+
+    def grad_of_grad(fn):
+        return jax.grad(lambda *a: sum(jnp.sum(g * d) for g, d in
+                                       zip(jax.grad(fn, argnums)(*a), tangents)), argnums)(*args)
+    _close_tree(grad_of_grad(f), grad_of_grad(f_ref), 1e-4)
+
+    def hvp(fn):
+        return jax.jvp(jax.grad(fn, argnums), args, tangents)[1]
+    _close_tree(hvp(f), hvp(f_ref), 1e-4)
+
+    names = support.primitive_names(jax.make_jaxpr(jax.grad(f, argnums))(*args))
+    assert BWD.prim.name in names, names
+    assert not any(n.endswith("_tangent") for n in names), names
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_rows_sharded_training_keeps_the_implementation(impl):
+    """Rows sharded in training: each device normalizes its rows with the global
+    statistics by binding the forward stage with the implementation asked for (the
+    automatic choice on CPU would be XLA's)."""
+    need(impl)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("a",), devices=jax.devices()[:2])
+    x = jax.device_put(make(np.random.default_rng(5), (8, 4, 64), "float32"), NamedSharding(mesh, P("a")))
+    text = jax.jit(lambda x: jax_ops.batch_norm_relu(x, implementation=impl)).lower(x).compile().as_text()
+    assert ('custom_call_target="jax_ops_bn_relu_fwd"' in text) == (impl == "cuda")
+    assert "all-reduce" in text  # the global statistics

@@ -21,7 +21,7 @@ from jax.test_util import check_grads
 
 import jax_ops
 import support
-from jax_ops.relu import relu_bwd_p, relu_fwd_p
+from jax_ops.ops.relu import BWD, FWD
 
 IMPLS = ("xla", "cuda", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,8 +50,7 @@ def bits_of(mask, n):
 
 
 def run_fwd(op, x, z, impl):
-    return relu_fwd_p.bind(x, z if op == "add_relu" else jnp.zeros((0,), jnp.float32),
-                           has_z=op == "add_relu", implementation=impl)
+    return FWD.call(x, z if op == "add_relu" else None, implementation=impl)
 
 
 def pre_f32(op, x, z):
@@ -248,7 +247,7 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"unknown implementation='triton'"):
         jax_ops.relu(x, implementation="triton")
     with pytest.raises(ValueError, match=r"mask must be uint32 of shape \(1,\)"):
-        relu_bwd_p.bind(x, jnp.zeros((2,), jnp.uint32), has_z=False, implementation=None)
+        BWD.call(x, jnp.zeros((2,), jnp.uint32), has_z=False, implementation=None)
 
 
 def test_use_and_explain():
@@ -257,3 +256,60 @@ def test_use_and_explain():
         d = jax_ops.explain(jax.grad(lambda x: jax_ops.relu(x).astype(jnp.float32).sum()), x)
     assert [e.implementation for e in d] == ["xla", "xla"]
     assert {"xla", "cuda", "pallas"} <= set(jax_ops.implementations("add_relu"))
+
+
+def _close(got, want, rel):
+    """Every leaf within rel of the largest magnitude of its reference."""
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape, (g.shape, w.shape)
+        scale = max(float(np.max(np.abs(w))), 1e-30) if w.size else 1.0
+        err = float(np.max(np.abs(g - w))) if w.size else 0.0
+        assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_autodiff_matches_jnp(op, impl):
+    """Forward mode, reverse mode and second order against jax.nn.relu: jvp, linearize,
+    jacfwd, jacrev, the Hessian of a smooth scalar function (relu³ is C²), grad of grad
+    and a Hessian-vector product. Reverse mode runs the backward stage, not the tangent map."""
+    need(impl)
+    rng = np.random.default_rng(seed_of(f"autodiff{op}"))
+    shape = (3, 37)  # a flat mask (37 % 32 != 0)
+    x = make(rng, shape, "float32")
+    x = jnp.where(jnp.abs(x) < 0.1, 0.5, x)  # away from the kink
+    z = make(rng, shape, "float32", 0.01)  # |z| < 0.1: x + z keeps x's sign
+    w, v, t = (make(rng, shape, "float32", 1.0) for _ in range(3))
+    if op == "relu":
+        args, ours = (x,), lambda x: jax_ops.relu(x, implementation=impl)
+        ref = jax.nn.relu
+    else:
+        args, ours = (x, z), lambda x, z: jax_ops.add_relu(x, z, implementation=impl)
+        ref = lambda x, z: jax.nn.relu(x + z)  # noqa: E731
+    argnums = tuple(range(len(args)))
+    tangents = (v, t)[:len(args)]
+
+    def smooth(fn):
+        return lambda *a: jnp.sum(fn(*a) ** 3 * w)
+    f, f_ref = smooth(ours), smooth(ref)
+
+    _close(jax.jvp(ours, args, tangents), jax.jvp(ref, args, tangents), 1e-5)
+    y, f_lin = jax.linearize(f, *args)
+    y_ref, f_lin_ref = jax.linearize(f_ref, *args)
+    _close((y, f_lin(*tangents)), (y_ref, f_lin_ref(*tangents)), 1e-5)
+    _close(jax.jacfwd(ours, argnums)(*args), jax.jacfwd(ref, argnums)(*args), 1e-5)
+    _close(jax.jacrev(ours, argnums)(*args), jax.jacrev(ref, argnums)(*args), 1e-5)
+    _close(jax.hessian(f, argnums)(*args), jax.hessian(f_ref, argnums)(*args), 1e-5)
+
+    def grad_of_grad(fn):
+        return jax.grad(lambda *a: jnp.sum(jax.grad(fn)(*a) * v), argnums)(*args)
+    _close(grad_of_grad(f), grad_of_grad(f_ref), 1e-5)
+
+    def hvp(fn):
+        return jax.jvp(jax.grad(fn, argnums), args, tangents)[1]
+    _close(hvp(f), hvp(f_ref), 1e-5)
+
+    names = support.primitive_names(jax.make_jaxpr(jax.grad(f, argnums))(*args))
+    assert BWD.prim.name in names, names
+    assert not any(n.endswith("_tangent") for n in names), names

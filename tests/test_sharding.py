@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ops
-from jax_ops.relu import relu_fwd_p
+from jax_ops.ops.relu import FWD as RELU_FWD
 from support import need as _need
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -205,8 +205,7 @@ def test_relu_mask_follows_x():
     """The mask residual has x's axes (last in words), so it is sharded like x."""
     mesh = mesh_of("4x2")
     x = jax.device_put(rnd((8, 4, 128), 7), NamedSharding(mesh, P("a", None, "b")))
-    _, mask = jax.jit(lambda x: relu_fwd_p.bind(x, jnp.zeros((0,), jnp.float32), has_z=False,
-                                                implementation="cuda"))(x)
+    _, mask = jax.jit(lambda x: RELU_FWD.call(x, None, implementation="cuda"))(x)
     assert mask.shape == (8, 4, 4) and mask.dtype == jnp.uint32
     assert mask.sharding.spec[0] == "a" and mask.sharding.spec[2] == "b"
 

@@ -37,21 +37,52 @@ def mask_shape(shape) -> tuple:
     return (mask_words(math.prod(shape)),)
 
 
+def _packable(pred):
+    """pred with the shardings in its type (explicit mesh axes) that its packing keeps,
+    the others gathered (as sharding_policy): with a row-wise mask those whose local last
+    axis is a whole number of words, with a flat mask none."""
+    sharding = jax.typeof(pred).sharding
+    spec = tuple(sharding.spec) + (None,) * (pred.ndim - len(sharding.spec))
+    if all(s is None for s in spec):
+        return pred
+    if is_rowwise(pred.shape):
+        last = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
+        k = math.prod(sharding.mesh.shape[a] for a in last if a is not None)
+        if (pred.shape[-1] // k) % WORD == 0:
+            return pred
+        spec = spec[:-1] + (None,)
+    else:
+        spec = (None,) * pred.ndim
+    return jax.sharding.reshard(pred, jax.sharding.NamedSharding(sharding.mesh,
+                                                                 jax.sharding.PartitionSpec(*spec)))
+
+
 def pack_bits(pred) -> jax.Array:
-    """bool array (any shape) -> uint32 (ceil(n/32),): bit i % 32 of word i // 32 = flat pred[i]."""
-    flat = pred.reshape(-1)
-    n = flat.shape[0]
-    words = mask_words(n)
-    bits = jnp.pad(flat, (0, words * WORD - n)).reshape(words, WORD).astype(MASK_DTYPE)
-    return jnp.sum(bits << jnp.arange(WORD, dtype=MASK_DTYPE), axis=1, dtype=MASK_DTYPE)
+    """bool array -> its mask, uint32 words of shape mask_shape(pred.shape): bit i % 32
+    of word i // 32 = flat pred[i]. A row-wise mask is packed along the last axis, not
+    flattened, so that shardings in pred's type (explicit mesh axes) carry over."""
+    pred = _packable(pred)
+    shape = tuple(pred.shape)
+    if is_rowwise(shape):
+        bits = pred.reshape(shape[:-1] + (shape[-1] // WORD, WORD))
+    else:
+        flat = pred.reshape(-1)
+        n = flat.shape[0]
+        words = mask_words(n)
+        bits = jnp.pad(flat, (0, words * WORD - n)).reshape(words, WORD)
+    return jnp.sum(bits.astype(MASK_DTYPE) << jnp.arange(WORD, dtype=MASK_DTYPE), axis=-1,
+                   dtype=MASK_DTYPE)
 
 
 def unpack_bits(mask, shape) -> jax.Array:
     """uint32 words (any shape of ceil(n/32) words) -> bool array of `shape` (n
-    elements), inverse of pack_bits."""
-    n = math.prod(shape)
-    bits = (mask.reshape(-1)[:, None] >> jnp.arange(WORD, dtype=MASK_DTYPE)) & 1
-    return bits.reshape(-1)[:n].reshape(shape).astype(bool)
+    elements), inverse of pack_bits; a row-wise mask (of shape mask_shape(shape)) is
+    unpacked along its last axis, like pack_bits."""
+    shape = tuple(shape)
+    bits = (mask[..., None] >> jnp.arange(WORD, dtype=MASK_DTYPE)) & 1
+    if is_rowwise(shape) and tuple(mask.shape) == mask_shape(shape):
+        return bits.reshape(shape).astype(bool)
+    return bits.reshape(-1)[:math.prod(shape)].reshape(shape).astype(bool)
 
 
 def sharding_policy(layout, mesh, params):

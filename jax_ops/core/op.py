@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -162,6 +163,9 @@ class Stage:
       absent; default: the vmapped reference.
     roles: {operand or result name: sharding role} (core/sharding.py); with `local`,
       `needs_local`, `policy`, `axis`: the partitioning rules. None: not partitioned.
+      local(layout, mesh, *operands or None, **params) -> results (None where absent);
+      it also gets `implementation` where it has a parameter of that name (a local that
+      binds a stage, e.g. BatchNorm's kernel pass with the global statistics).
     variant(params): a flavour the measured tables time separately ("stats", "mask").
     query_shape(x's shape, params): the (rows..., cols) shape the dispatcher sees.
     """
@@ -181,6 +185,8 @@ class Stage:
         self.batch_rule = batch
         self.roles, self.local, self.needs_local, self.policy, self.axis = (
             roles, local, needs_local, policy, axis)
+        # a local that binds a stage (not only jnp) names the implementation to bind with
+        self.local_binds = local is not None and "implementation" in inspect.signature(local).parameters
         self.variant, self.query_shape = variant, query_shape
         self.prim = self._define()
 
@@ -257,6 +263,8 @@ class Stage:
         local = None
         if self.local is not None:
             def local(layout, mesh, *shards, present, implementation, **params):
+                if self.local_binds:
+                    params["implementation"] = implementation
                 outs = self.local(layout, mesh, *_fill(shards, present), **params)
                 return _present_only(outs)
         return _sharding.Rules(ins=lambda p: roles_in, outs=lambda p: roles_out, axis=self.axis,

@@ -1,46 +1,46 @@
-"""BatchNorm+ReLU and BatchNorm+Add+ReLU for training and inference, channels last.
+"""BatchNorm+ReLU and BatchNorm+Add+ReLU for training and inference, channels last: the
+declaration (core/op.py).
 
-Forward primitive  jax_ops_bn_relu_fwd(x, z, scale, bias, mean_in, var_in)
-                     -> (y, mask, mean, var, rstd, work)
-Backward primitive jax_ops_bn_relu_bwd(dy, x, mask, mean, rstd, scale, gmean, gvar)
-                     -> (dx, dz, dscale, dbias, work)
+Forward stage  jax_ops_bn_relu_fwd(x, z?, scale, bias, mean_in?, var_in?)
+                 -> (y, mask, mean, var, rstd)
+Backward stage jax_ops_bn_relu_bwd(dy, x, mask, mean, rstd, scale, gmean?, gvar?)
+                 -> (dx, dz?, dscale, dbias)
 
 x is (..., C): statistics per channel over all other axes (rows = their product).
-Parameters and statistics are float32 at the primitive (the public functions cast
-and autodiff casts the gradients back). Absent operands/results are zero-element
-float32 arrays. `work` is the kernels' float32 workspace of per-block partials
-((3, P, C) Welford partials forward, (2, P, C) gradient sums backward; P = work_rows).
+Parameters and statistics are float32 at the stages (the public functions cast and
+autodiff casts the gradients back). z is bound for batch_norm_add_relu only (dz is
+produced with it), mean_in/var_in at inference only, gmean/gvar (the cotangents of the
+returned batch statistics) in training where they are not zero. The kernels' float32
+workspaces of per-block partials ((3, P, C) Welford partials forward in training,
+(2, P, C) gradient sums backward; P = work_rows) are FFI scratch, the Pallas wrapper's
+its own buffers: none is a stage result.
 
   training:  mean, var = batch mean and BIASED batch variance (two-stage Welford,
              no atomics), rstd = 1/sqrt(var + epsilon)
   inference: mean, var = the given running statistics; one elementwise pass
   pre = (x - mean) * (scale * rstd) + bias [+ z];  y = relu(pre);  mask: 1 bit per
-  element, pre > 0 (the layout of jax_ops.relu).
+  element, pre > 0 (core/bitmask.py, the layout of jax_ops.relu).
 Backward, g = dy where the bit is set else 0, xhat = (x - mean) * rstd, N = rows:
   dbias = Σ g, dscale = Σ g·xhat, dz = g
   training:  dx = a·g + b·xhat + c, a = scale·rstd, b = (2·gvar/rstd − a·dscale)/N,
-             c = (gmean − a·dbias)/N  (gmean/gvar: cotangents of the returned mean/var)
+             c = (gmean − a·dbias)/N  (gmean/gvar absent: 0)
   inference: dx = a·g; the given mean/var get dmean = −a·dbias, dvar = −½·a·rstd·dscale.
-The VJP keeps x, the mask, float32 mean/rstd per channel and scale.
+Reverse mode keeps x, the mask, float32 mean/rstd per channel and scale.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from jax_ops import registry
-from jax_ops.layer_norm import check_inputs
-from jax_ops.primitive import empty as _empty, dtype_name as _fmt_dtype  # shared helpers
-from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
-                               match_vma, pallas_lowering, pallas_supports, user_lowerings,
-                               vmap_reference)
-from jax_ops.relu import MASK_DTYPE, check_z, mask_policy, mask_shape, pack_bits, relu_out, unpack_bits
-from jax_ops.sharding import Rules
+from jax_ops.core import registry
+from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_policy, unpack_bits
+from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
+                             pallas_supports)
+from jax_ops.core.op import dtype_name as _fmt_dtype
 from pallas_kernels import batch_norm as pallas_bn
 
 _F32 = jnp.dtype(jnp.float32)
@@ -58,53 +58,111 @@ def work_rows(rows, channels: int) -> int:
     return max(1, min(p, rows) if isinstance(rows, int) else p)
 
 
-def _op_of(params) -> str:
-    return "batch_norm_add_relu" if params["has_z"] else "batch_norm_relu"
+def _op_name(has_z: bool) -> str:
+    return "batch_norm_add_relu" if has_z else "batch_norm_relu"
+
+
+# ------------------------------------------------------------- validation ---
+
+def _check_inputs(op, x, scale, bias, epsilon) -> None:
+    """TypeError/ValueError naming the argument, expected and actual value."""
+    if x.dtype not in ACT_DTYPES:
+        raise TypeError(f"jax_ops.{op}: x must be float32, bfloat16 or float16; "
+                        f"got dtype {_fmt_dtype(x.dtype)}")
+    if x.ndim < 2:
+        raise ValueError(f"jax_ops.{op}: x must have rank >= 2 (channels on the last axis, "
+                         f"statistics over the others); got shape {tuple(x.shape)}")
+    c = x.shape[-1]
+    if c < 1:
+        raise ValueError(f"jax_ops.{op}: x's last axis must have size >= 1; got shape {tuple(x.shape)}")
+    for name, p in (("scale", scale), ("bias", bias)):
+        if p is None:
+            continue
+        if tuple(p.shape) != (c,):
+            raise ValueError(f"jax_ops.{op}: {name} must have shape ({c},) to match x's last "
+                             f"axis; got shape {tuple(p.shape)} (x has shape {tuple(x.shape)})")
+        if p.dtype not in (_F32, x.dtype):
+            raise TypeError(f"jax_ops.{op}: {name} must be float32 or x's dtype "
+                            f"{_fmt_dtype(x.dtype)}; got {_fmt_dtype(p.dtype)}")
+    if scale is not None and bias is not None and scale.dtype != bias.dtype:
+        raise TypeError(f"jax_ops.{op}: scale and bias must share a dtype; got scale "
+                        f"{_fmt_dtype(scale.dtype)} and bias {_fmt_dtype(bias.dtype)}")
+    if not isinstance(epsilon, (int, float, np.floating)) or isinstance(epsilon, bool):
+        raise TypeError(f"jax_ops.{op}: epsilon must be a Python float; got {type(epsilon).__name__}")
+    if not (float(epsilon) >= 0.0 and np.isfinite(epsilon)):
+        raise ValueError(f"jax_ops.{op}: epsilon must be finite and >= 0; got {epsilon}")
+
+
+def _check_z(op, x, z) -> None:
+    """z must have x's dtype and a shape that broadcasts to x's."""
+    if z.dtype != x.dtype:
+        raise TypeError(f"jax_ops.{op}: z must have x's dtype {_fmt_dtype(x.dtype)}; "
+                        f"got {_fmt_dtype(z.dtype)}")
+    try:
+        shape = jnp.broadcast_shapes(tuple(z.shape), tuple(x.shape))
+    except ValueError:
+        shape = None
+    if shape != tuple(x.shape):
+        raise ValueError(f"jax_ops.{op}: z must have x's shape {tuple(x.shape)} (or one that "
+                         f"broadcasts to it); got shape {tuple(z.shape)}")
+
+
+def _check_stat(op, name, a, c):
+    if a is None:
+        raise ValueError(f"jax_ops.{op}: {name} is required when training=False "
+                         f"(the running statistics to normalize with)")
+    a = jnp.asarray(a)
+    if tuple(a.shape) != (c,):
+        raise ValueError(f"jax_ops.{op}: {name} must have shape ({c},) to match x's last axis; "
+                         f"got shape {tuple(a.shape)}")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"jax_ops.{op}: {name} must be a floating array; got {_fmt_dtype(a.dtype)}")
+    return a
 
 
 # ---------------------------------------------------------------- forward ---
 
-def _fwd_abstract(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z, implementation):
-    op = _op_of({"has_z": has_z})
+def _fwd_abstract(x, z, scale, bias, mean_in, var_in, *, epsilon, training):
+    op = _op_name(z is not None)
     if x.ndim < 2:
         raise ValueError(f"jax_ops.{op}: x must have rank >= 2 (channels last); got shape {x.shape}")
-    rows, c = _rows_channels(x.shape)
-    if has_z and (z.shape != x.shape or z.dtype != x.dtype):
+    c = x.shape[-1]
+    if z is not None and (z.shape != x.shape or z.dtype != x.dtype):
         raise ValueError(f"jax_ops.{op} forward: z must match x; got z {z.shape} "
                          f"{_fmt_dtype(z.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
+    if (mean_in is None, var_in is None) != (training, training):
+        raise ValueError(f"jax_ops.{op} forward: mean_in and var_in are bound exactly at "
+                         f"inference (training=False); got training={training}")
     stats = [scale, bias] + ([] if training else [mean_in, var_in])
     if any(a.shape != (c,) or a.dtype != _F32 for a in stats):
         raise ValueError(f"jax_ops.{op} forward: scale/bias{'' if training else '/mean/var'} must be "
                          f"float32 of shape ({c},); got {[(a.shape, _fmt_dtype(a.dtype)) for a in stats]}")
     chan = core.ShapedArray((c,), _F32)
-    work = core.ShapedArray((3, work_rows(rows, c), c) if training else (0,), _F32)
     return (core.ShapedArray(x.shape, x.dtype),
-            core.ShapedArray(mask_shape(x.shape), MASK_DTYPE), chan, chan, chan, work)
+            core.ShapedArray(mask_shape(x.shape), MASK_DTYPE), chan, chan, chan)
 
 
-def batch_stats(x2):
-    """Per-channel mean and biased variance of (rows, C), two-pass in float32."""
-    xf = x2.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=0)
-    return mean, jnp.mean(jnp.square(xf - mean), axis=0)
+def _row_axes(a):
+    return tuple(range(a.ndim - 1))
 
 
-def _fwd_reference(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z):
-    rows, c = _rows_channels(x.shape)
-    x2 = x.reshape(rows, c)
-    mean, var = batch_stats(x2) if training else (mean_in, var_in)
+def batch_stats(x):
+    """Per-channel (last axis) mean and biased variance over all other axes, two-pass in
+    float32."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=_row_axes(x))
+    return mean, jnp.mean(jnp.square(xf - mean), axis=_row_axes(x))
+
+
+def _fwd_reference(x, z, scale, bias, mean_in, var_in, *, epsilon, training):
+    # on x's axes (not reshaped to rows): shardings in x's type (explicit mesh axes) carry over
+    mean, var = batch_stats(x) if training else (mean_in, var_in)
     rstd = jax.lax.rsqrt(var + epsilon)
-    pre = (x2.astype(jnp.float32) - mean) * (scale * rstd) + bias
-    if has_z:
-        pre = pre + z.reshape(rows, c).astype(jnp.float32)
-    work = jnp.zeros((3, work_rows(rows, c), c) if training else (0,), jnp.float32)
-    return (relu_out(pre).astype(x.dtype).reshape(x.shape),
-            pack_bits(pre > 0).reshape(mask_shape(x.shape)), mean, var, rstd, work)
-
-
-def _fwd_batch(args, dims, **params):
-    # Statistics are per example under vmap: the jnp reference, vmapped.
-    return vmap_reference(_fwd_reference, args, dims, params)
+    pre = (x.astype(jnp.float32) - mean) * (scale * rstd) + bias
+    if z is not None:
+        pre = pre + z.astype(jnp.float32)
+    # jnp.maximum keeps NaN; the mask bit of NaN is clear
+    return jnp.maximum(pre, 0).astype(x.dtype), pack_bits(pre > 0), mean, var, rstd
 
 
 # ---------------------------------------------------------------- sharding ---
@@ -124,110 +182,120 @@ def _global_rows(layout):
     return math.prod(layout.shape[:-1])
 
 
-def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z,
+def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, training,
                implementation):
-    rows, c = _rows_channels(x.shape)
-    xf = x.reshape(rows, c).astype(jnp.float32)
+    xf = x.astype(jnp.float32)
     n = _global_rows(layout)
-    mean = jax.lax.psum(jnp.sum(xf, axis=0), layout.row_axes) / n
-    var = jax.lax.psum(jnp.sum(jnp.square(xf - mean), axis=0), layout.row_axes) / n
-    y, mask, _, _, rstd, _ = bn_fwd_p.bind(x, z, scale, bias, mean, var, epsilon=epsilon,
-                                           training=False, has_z=has_z,
-                                           implementation=implementation)
-    return y, mask, mean, var, rstd, None
+    mean = jax.lax.psum(jnp.sum(xf, axis=_row_axes(x)), layout.row_axes) / n
+    var = jax.lax.psum(jnp.sum(jnp.square(xf - mean), axis=_row_axes(x)), layout.row_axes) / n
+    y, mask, _, _, rstd = FWD.call(x, z, scale, bias, mean, var, epsilon=epsilon, training=False,
+                                   implementation=implementation)
+    return y, mask, mean, var, rstd
 
 
-def _bwd_local(layout, mesh, *args, implementation, **params):
+def _bwd_local(layout, mesh, *args, **params):
     def col_sums(arrays):
-        return jax.lax.psum(tuple(jnp.sum(a, axis=0) for a in arrays), layout.row_axes)
+        return jax.lax.psum(tuple(jnp.sum(a, axis=_row_axes(a)) for a in arrays), layout.row_axes)
     return _bwd_reference(*args, col_sums=col_sums, total_rows=_global_rows(layout), **params)
-
-
-FWD_RULES = Rules(ins=lambda p: ("x", "x", "cols", "cols", "cols", "cols"),
-                  outs=lambda p: ("x", "mask", "cols", "cols", "cols", "none"),
-                  policy=mask_policy, needs_local=_rows_sharded_training, local=_fwd_local)
-BWD_RULES = Rules(ins=lambda p: ("x", "x", "mask", "cols", "cols", "cols", "cols", "cols"),
-                  outs=lambda p: ("x", "x", "colsum", "colsum", "none"),
-                  policy=mask_policy, needs_local=_rows_sharded_training, local=_bwd_local)
-
-
-bn_fwd_p = define_primitive("bn_relu_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
-                            batching_rule=_fwd_batch, sharding=FWD_RULES,
-                            variant_of=lambda p: "stats" if p["training"] else "")
 
 
 # --------------------------------------------------------------- backward ---
 
-def _bwd_abstract(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z, implementation):
-    op = _op_of({"has_z": has_z})
-    rows, c = _rows_channels(x.shape)
+def _bwd_abstract(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):
+    op = _op_name(has_z)
+    c = x.shape[-1]
     if dy.shape != x.shape or dy.dtype != x.dtype:
         raise ValueError(f"jax_ops.{op} backward: dy must match x; got dy {dy.shape} "
                          f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
     if tuple(mask.shape) != mask_shape(x.shape) or mask.dtype != MASK_DTYPE:
         raise ValueError(f"jax_ops.{op} backward: mask must be uint32 of shape "
                          f"{mask_shape(x.shape)}; got {mask.shape} {_fmt_dtype(mask.dtype)}")
+    if not training and (gmean is not None or gvar is not None):
+        raise ValueError(f"jax_ops.{op} backward: gmean/gvar (the cotangents of the batch "
+                         f"statistics) are bound in training only")
     chan = core.ShapedArray((c,), _F32)
-    dz = core.ShapedArray(x.shape, x.dtype) if has_z else core.ShapedArray((0,), _F32)
-    return (core.ShapedArray(x.shape, x.dtype), dz, chan, chan,
-            core.ShapedArray((2, work_rows(rows, c), c), _F32))
+    return (core.ShapedArray(x.shape, x.dtype), core.ShapedArray(x.shape, x.dtype) if has_z else None,
+            chan, chan)
 
 
 def _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z,
                    col_sums=None, total_rows=None):
-    """col_sums(a): a's per-channel sums over all rows, total_rows: their count (psum'ed
-    over devices when the rows are sharded)."""
-    rows, c = _rows_channels(x.shape)
+    """col_sums(arrays): their per-channel sums over all rows, total_rows: their count
+    (psum'ed over devices when the rows are sharded). On x's axes, like _fwd_reference."""
     if col_sums is None:
         def col_sums(arrays):
-            return tuple(jnp.sum(a, axis=0) for a in arrays)
-    total_rows = rows if total_rows is None else total_rows
-    g = jnp.where(unpack_bits(mask, (rows, c)), dy.reshape(rows, c).astype(jnp.float32), 0.0)
-    xhat = (x.reshape(rows, c).astype(jnp.float32) - mean) * rstd
+            return tuple(jnp.sum(a, axis=_row_axes(a)) for a in arrays)
+    total_rows = _rows_channels(x.shape)[0] if total_rows is None else total_rows
+    g = jnp.where(unpack_bits(mask, x.shape), dy.astype(jnp.float32), 0.0)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
     dbias, dscale = col_sums((g, g * xhat))
     a = scale * rstd
     dx = a * g
     if training:
+        gmean = 0.0 if gmean is None else gmean
+        gvar = 0.0 if gvar is None else gvar
         dx = dx + ((2.0 * gvar / rstd - a * dscale) / total_rows) * xhat + (gmean - a * dbias) / total_rows
-    dz = g.astype(x.dtype).reshape(x.shape) if has_z else _empty()
-    work = jnp.zeros((2, work_rows(rows, c), c), jnp.float32)
-    return dx.astype(x.dtype).reshape(x.shape), dz, dscale, dbias, work
-
-
-def _bwd_batch(args, dims, **params):
-    return vmap_reference(_bwd_reference, args, dims, params)
-
-
-bn_bwd_p = define_primitive("bn_relu_bwd", stage="bwd", op_of=_op_of, abstract_eval=_bwd_abstract,
-                            batching_rule=_bwd_batch, sharding=BWD_RULES)
+    dz = g.astype(x.dtype) if has_z else None
+    return dx.astype(x.dtype), dz, dscale, dbias
 
 
 # --------------------------------------------------------- implementations ---
 
-def _pallas_fwd(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z, config, interpret):
+def _statistics_cotangents(mean, gmean, gvar, training):
+    """(gmean, gvar) as the kernels take them: both (C,) in training (zeros where
+    absent), None at inference."""
+    if not training:
+        return None, None
+    zeros = jnp.zeros_like(mean)
+    return (zeros if gmean is None else gmean), (zeros if gvar is None else gvar)
+
+
+def _fwd_workspace(call, operands, params):
+    rows, c = _rows_channels(operands[0].shape)
+    return core.ShapedArray((3, work_rows(rows, c), c) if params["training"] else (0,), _F32)
+
+
+def _bwd_workspace(call, operands, params):
+    rows, c = _rows_channels(operands[1].shape)
+    return core.ShapedArray((2, work_rows(rows, c), c), _F32)
+
+
+_ffi_fwd = ffi("jax_ops_bn_relu_fwd",
+               lambda p: {"epsilon": np.float32(p["epsilon"]), "training": bool(p["training"]),
+                          "has_z": p["has_z"]},
+               flat_results=(1,), scratch=_fwd_workspace)
+_ffi_bwd = ffi("jax_ops_bn_relu_bwd",
+               lambda p: {"training": bool(p["training"]), "has_z": bool(p["has_z"])},
+               flat_operands=(2,), scratch=_bwd_workspace)
+
+
+def _cuda_fwd(call, x, z, scale, bias, mean_in, var_in, *, epsilon, training):
+    # The handler's has_z attribute says whether z is bound.
+    return _ffi_fwd(call, x, z, scale, bias, mean_in, var_in, epsilon=epsilon, training=training,
+                    has_z=z is not None)
+
+
+def _cuda_bwd(call, dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):
+    gmean, gvar = _statistics_cotangents(mean, gmean, gvar, training)
+    return _ffi_bwd(call, dy, x, mask, mean, rstd, scale, gmean, gvar, training=training,
+                    has_z=has_z)
+
+
+def _pallas_fwd(call, x, z, scale, bias, mean_in, var_in, *, epsilon, training):
     rows, c = _rows_channels(x.shape)
-    if rows == 0:
-        return _fwd_reference(x, z, scale, bias, mean_in, var_in, epsilon=epsilon,
-                              training=training, has_z=has_z)
     y, mask, mean, var, rstd = pallas_bn.bn_relu_fwd(
-        x.reshape(rows, c), z.reshape(rows, c) if has_z else None, scale, bias,
-        None if training else mean_in, None if training else var_in, epsilon=epsilon,
-        training=training, config=config, interpret=interpret)
-    work = jnp.zeros((3, work_rows(rows, c), c) if training else (0,), jnp.float32)
-    return y.reshape(x.shape), mask.reshape(mask_shape(x.shape)), mean, var, rstd, work
+        x.reshape(rows, c), None if z is None else z.reshape(rows, c), scale, bias, mean_in,
+        var_in, epsilon=epsilon, training=training, config=call.config, interpret=call.interpret)
+    return y.reshape(x.shape), mask.reshape(mask_shape(x.shape)), mean, var, rstd
 
 
-def _pallas_bwd(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z, config, interpret):
+def _pallas_bwd(call, dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):
     rows, c = _rows_channels(x.shape)
-    if rows == 0:
-        return _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, training=training,
-                              has_z=has_z)
+    gmean, gvar = _statistics_cotangents(mean, gmean, gvar, training)
     dx, dz, dscale, dbias = pallas_bn.bn_relu_bwd(
-        dy.reshape(rows, c), x.reshape(rows, c), mask.reshape(-1), mean, rstd, scale,
-        gmean if training else None, gvar if training else None, training=training, has_z=has_z,
-        config=config, interpret=interpret)
-    work = jnp.zeros((2, work_rows(rows, c), c), jnp.float32)
-    return (dx.reshape(x.shape), dz.reshape(x.shape) if has_z else _empty(), dscale, dbias, work)
+        dy.reshape(rows, c), x.reshape(rows, c), mask.reshape(-1), mean, rstd, scale, gmean, gvar,
+        training=training, has_z=has_z, config=call.config, interpret=call.interpret)
+    return dx.reshape(x.shape), None if dz is None else dz.reshape(x.shape), dscale, dbias
 
 
 def _pallas_configs(q):
@@ -235,137 +303,119 @@ def _pallas_configs(q):
     return pallas_bn.candidate_configs(max(rows, 1), c, q.stage)
 
 
-def _user_lowerings(op):
-    """Adapter for register_implementation. fn(x, z, scale, bias, mean, var, *, epsilon,
+def _user_adapter(fn, backward, tunable):
+    """register_implementation's adapter. fn(x, z, scale, bias, mean, var, *, epsilon,
     training) with x, z (rows, C) (z None for batch_norm_relu), float32 (C,) parameters,
     mean/var None when training; returns y, or (y, batch_mean, batch_var) when training
     (statistics computed by jnp where it returns y only). The mask is packed from y > 0.
     backward(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training) -> (dx, dz|None,
     dscale, dbias), gmean/gvar None at inference."""
-    def adapt(fn, backward, tunable):
-        def fwd(x, z, scale, bias, mean_in, var_in, *, epsilon, training, has_z, config):
-            rows, c = _rows_channels(x.shape)
-            kw = {"config": config} if tunable else {}
-            out = fn(x.reshape(rows, c), z.reshape(rows, c) if has_z else None, scale, bias,
-                     None if training else mean_in, None if training else var_in,
-                     epsilon=epsilon, training=training, **kw)
-            y = out[0] if isinstance(out, (tuple, list)) else out
-            if training and isinstance(out, (tuple, list)):
-                mean, var = (jnp.asarray(v, jnp.float32) for v in out[1:3])
-            elif training:
-                mean, var = batch_stats(x.reshape(rows, c))
-            else:
-                mean, var = mean_in, var_in
-            y = jnp.asarray(y).astype(x.dtype).reshape(x.shape)
-            work = jnp.zeros((3, work_rows(rows, c), c) if training else (0,), jnp.float32)
-            return (y, pack_bits(y > 0).reshape(mask_shape(x.shape)), mean, var,
-                    jax.lax.rsqrt(var + epsilon), work)
+    def fwd(call, x, z, scale, bias, mean_in, var_in, *, epsilon, training):
+        rows, c = _rows_channels(x.shape)
+        kw = {"config": call.config} if tunable else {}
+        out = fn(x.reshape(rows, c), None if z is None else z.reshape(rows, c), scale, bias,
+                 mean_in, var_in, epsilon=epsilon, training=training, **kw)
+        y = out[0] if isinstance(out, (tuple, list)) else out
+        if training and isinstance(out, (tuple, list)):
+            mean, var = (jnp.asarray(v, jnp.float32) for v in out[1:3])
+        elif training:
+            mean, var = batch_stats(x)
+        else:
+            mean, var = mean_in, var_in
+        y = jnp.asarray(y).astype(x.dtype).reshape(x.shape)
+        return (y, pack_bits(y > 0), mean, var,
+                jax.lax.rsqrt(var + epsilon))
 
-        def bwd(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z, config):
-            rows, c = _rows_channels(x.shape)
-            kw = {"config": config} if tunable else {}
-            dx, dz, dscale, dbias = backward(
-                dy.reshape(rows, c), x.reshape(rows, c), mask.reshape(-1), mean, rstd, scale,
-                gmean if training else None, gvar if training else None, training=training, **kw)
-            return (jnp.asarray(dx).astype(x.dtype).reshape(x.shape),
-                    jnp.asarray(dz).astype(x.dtype).reshape(x.shape) if has_z else _empty(),
-                    jnp.asarray(dscale, jnp.float32), jnp.asarray(dbias, jnp.float32),
-                    jnp.zeros((2, work_rows(rows, c), c), jnp.float32))
+    def bwd(call, dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):
+        rows, c = _rows_channels(x.shape)
+        kw = {"config": call.config} if tunable else {}
+        gmean, gvar = _statistics_cotangents(mean, gmean, gvar, training)
+        dx, dz, dscale, dbias = backward(
+            dy.reshape(rows, c), x.reshape(rows, c), mask.reshape(-1), mean, rstd, scale,
+            gmean, gvar, training=training, **kw)
+        return (jnp.asarray(dx).astype(x.dtype).reshape(x.shape),
+                jnp.asarray(dz).astype(x.dtype).reshape(x.shape) if has_z else None,
+                jnp.asarray(dscale, jnp.float32), jnp.asarray(dbias, jnp.float32))
 
-        return user_lowerings(fwd, bwd if backward is not None else None)
-    return adapt
+    return {"fwd": fwd, **({"bwd": bwd} if backward is not None else {})}
 
 
-def _register_builtins():
-    for op in ("batch_norm_relu", "batch_norm_add_relu"):
-        registry.add(registry.Implementation(
-            op, "xla", {"fwd": jnp_lowering(_fwd_reference), "bwd": jnp_lowering(_bwd_reference)},
-            supports=lambda q: True, description="plain jax.numpy, fused by XLA"))
-        registry.add(registry.Implementation(
-            op, "cuda",
-            {"fwd": ffi_lowering("jax_ops_bn_relu_fwd", lambda p: {
-                "epsilon": np.float32(p["epsilon"]), "training": bool(p["training"]),
-                "has_z": bool(p["has_z"])}, flat_results=(1,)),
-             "bwd": ffi_lowering("jax_ops_bn_relu_bwd", lambda p: {
-                 "training": bool(p["training"]), "has_z": bool(p["has_z"])}, flat_operands=(2,))},
-            supports=ffi_supports("jax_ops_bn_relu_fwd"),
-            description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
-        registry.add(registry.Implementation(
-            op, "pallas", {"fwd": pallas_lowering(_pallas_fwd), "bwd": pallas_lowering(_pallas_bwd)},
-            supports=pallas_supports(lambda q: pallas_bn.supports(max(q.rows or 1, 1), q.cols or 1)),
-            configs=_pallas_configs, description="Pallas kernels (Triton back end)"))
-        registry.define_user_adapter(op, _user_lowerings(op))
+# ----------------------------------------------------------- declaration ---
+
+# Batching (both stages): statistics are per example, so the vmapped reference.
+FWD = Stage("bn_relu_fwd", "fwd", ("x", "z?", "scale", "bias", "mean_in?", "var_in?"),
+            ("y", "mask", "mean", "var", "rstd"),
+            op_of=lambda p: _op_name(p["present"][1]), abstract=_fwd_abstract,
+            reference=_fwd_reference,
+            roles={"x": "x", "z": "x", "scale": "cols", "bias": "cols", "mean_in": "cols",
+                   "var_in": "cols", "y": "x", "mask": "mask", "mean": "cols", "var": "cols",
+                   "rstd": "cols"},
+            policy=sharding_policy, needs_local=_rows_sharded_training, local=_fwd_local,
+            variant=lambda p: "stats" if p["training"] else "")
+# has_z: whether the forward added z (dz is produced; which op's implementation runs)
+BWD = Stage("bn_relu_bwd", "bwd", ("dy", "x", "mask", "mean", "rstd", "scale", "gmean?", "gvar?"),
+            ("dx", "dz?", "dscale", "dbias"),
+            op_of=lambda p: _op_name(p["has_z"]), abstract=_bwd_abstract, reference=_bwd_reference,
+            roles={"dy": "x", "x": "x", "mask": "mask", "mean": "cols", "rstd": "cols",
+                   "scale": "cols", "gmean": "cols", "gvar": "cols", "dx": "x", "dz": "x",
+                   "dscale": "colsum", "dbias": "colsum"},
+            policy=sharding_policy, needs_local=_rows_sharded_training, local=_bwd_local)
 
 
-_register_builtins()
+def _outputs(params):
+    # training returns the batch statistics (their cotangents reach dx); inference y only
+    return ("y", "mean", "var") if params["training"] else ("y",)
 
 
-# ------------------------------------------------------------- custom VJP ---
-
-@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _bn(x, z, scale, bias, mean_in, var_in, epsilon, training, has_z, implementation):
-    y, _, mean, var, _, _ = bn_fwd_p.bind(x, z, scale, bias, mean_in, var_in, epsilon=epsilon,
-                                          training=training, has_z=has_z,
-                                          implementation=implementation)
-    return y, mean, var
+def _residuals(ops, outs, params):
+    return ops["x"], outs["mask"], outs["mean"], outs["rstd"], ops["scale"]
 
 
-def _bn_fwd(x, z, scale, bias, mean_in, var_in, epsilon, training, has_z, implementation):
-    y, mask, mean, var, rstd, _ = bn_fwd_p.bind(x, z, scale, bias, mean_in, var_in,
-                                                epsilon=epsilon, training=training, has_z=has_z,
-                                                implementation=implementation)
-    return (y, mean, var), (x, mask, mean, rstd, scale)
-
-
-def _bn_bwd(epsilon, training, has_z, implementation, res, cts):
+def _backward(res, cts, wanted, params, in_avals):
     x, mask, mean, rstd, scale = res
-    dy, gmean, gvar = cts
-    dx, dz, dscale, dbias, _ = bn_bwd_p.bind(
-        dy, x, mask, mean, rstd, scale, gmean if training else _empty(),
-        gvar if training else _empty(), training=training, has_z=has_z,
-        implementation=implementation)
-    if training:  # mean_in/var_in are placeholders
-        dmean_in = dvar_in = _empty()
-    else:  # the given statistics (returned unchanged as mean/var) get their gradients
+    training = params["training"]
+    # only the statistics' cotangents may be nonzero: dx still has their terms
+    dy = jnp.zeros(x.shape, x.dtype) if cts["y"] is None else cts["y"]
+    gmean, gvar = (cts["mean"], cts["var"]) if training else (None, None)
+    dx, dz, dscale, dbias = BWD.call(dy, x, mask, mean, rstd, scale, gmean, gvar, training=training,
+                                     has_z=in_avals["z"] is not None,
+                                     implementation=params["implementation"])
+    grads = {"x": dx, "z": dz, "scale": dscale, "bias": dbias}
+    if not training:  # the given statistics (normalized with) get their gradients
         a = scale * rstd
-        dmean_in = gmean - a * dbias
-        dvar_in = gvar - 0.5 * a * rstd * dscale
-    return dx, (dz if has_z else _empty()), dscale, dbias, dmean_in, dvar_in
+        grads["mean_in"] = -a * dbias
+        grads["var_in"] = -0.5 * a * rstd * dscale
+    return grads
 
 
-_bn.defvjp(_bn_fwd, _bn_bwd)
+BN_RELU = Op(
+    ("batch_norm_relu", "batch_norm_add_relu"), FWD, BWD,
+    outputs=_outputs, residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
+    impls={
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd},
+                     supports=ffi_supports("jax_ops_bn_relu_fwd"),
+                     description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
+        "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
+                       supports=pallas_supports(
+                           lambda q: pallas_bn.supports(max(q.rows or 1, 1), q.cols or 1)),
+                       configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
+    })
 
 
 # ------------------------------------------------------------- public API ---
-
-def _check_stat(op, name, a, c):
-    if a is None:
-        raise ValueError(f"jax_ops.{op}: {name} is required when training=False "
-                         f"(the running statistics to normalize with)")
-    a = jnp.asarray(a)
-    if tuple(a.shape) != (c,):
-        raise ValueError(f"jax_ops.{op}: {name} must have shape ({c},) to match x's last axis; "
-                         f"got shape {tuple(a.shape)}")
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-        raise TypeError(f"jax_ops.{op}: {name} must be a floating array; got {_fmt_dtype(a.dtype)}")
-    return a
-
 
 def _call(op, x, z, scale, bias, epsilon, training, mean, var, implementation):
     registry.check_name(op, implementation)
     x = jnp.asarray(x)
     scale = None if scale is None else jnp.asarray(scale)
     bias = None if bias is None else jnp.asarray(bias)
-    check_inputs(op, x, scale, bias, epsilon)
-    if x.ndim < 2:
-        raise ValueError(f"jax_ops.{op}: x must have rank >= 2 (channels on the last axis, "
-                         f"statistics over the others); got shape {tuple(x.shape)}")
+    _check_inputs(op, x, scale, bias, epsilon)
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"jax_ops.{op}: training must be a Python bool; got {type(training).__name__}")
     rows, c = _rows_channels(x.shape)
     if z is not None:
         z = jnp.asarray(z)
-        check_z(op, x, z)
+        _check_z(op, x, z)
         if z.shape != x.shape:
             z = jnp.broadcast_to(z, x.shape)
     if training:
@@ -376,7 +426,7 @@ def _call(op, x, z, scale, bias, epsilon, training, mean, var, implementation):
         if rows == 0:
             raise ValueError(f"jax_ops.{op}: batch statistics need at least one row; x has "
                              f"shape {tuple(x.shape)}")
-        mean_in = var_in = _empty()
+        mean_in = var_in = None
     else:
         mean_in = _check_stat(op, "mean", mean, c).astype(jnp.float32)
         var_in = _check_stat(op, "var", var, c).astype(jnp.float32)
@@ -384,9 +434,9 @@ def _call(op, x, z, scale, bias, epsilon, training, mean, var, implementation):
     bias32 = jnp.zeros((c,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     implementation = implementation or registry.override_for(op)
     x, z, scale32, bias32, mean_in, var_in = match_vma(x, z, scale32, bias32, mean_in, var_in)
-    y, batch_mean, batch_var = _bn(x, _empty() if z is None else z, scale32, bias32, mean_in,
-                                   var_in, float(epsilon), bool(training), z is not None,
-                                   implementation)
+    y, _, batch_mean, batch_var, _ = FWD.call(x, z, scale32, bias32, mean_in, var_in,
+                                              epsilon=float(epsilon), training=bool(training),
+                                              implementation=implementation)
     return (y, batch_mean, batch_var) if training else y
 
 

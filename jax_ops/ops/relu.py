@@ -1,74 +1,32 @@
-"""ReLU and Add+ReLU whose backward keeps one bit per element.
+"""ReLU and Add+ReLU whose backward keeps one bit per element: the declaration (core/op.py).
 
-Forward primitive  jax_ops_relu_fwd(x, z) -> (y, mask)
-Backward primitive jax_ops_relu_bwd(dy, mask) -> (dx,)
+Forward stage  jax_ops_relu_fwd(x, z?) -> (y, mask)
+Backward stage jax_ops_relu_bwd(dy, mask) -> (dx,)
 
-y = relu(x) or relu(x + z) (the sum in float32, rounded once to x's dtype; NaN
-propagates like jnp.maximum). The VJP residual is `mask` alone: uint32 words of shape
-(ceil(n / 32),) for the n elements of x flattened row-major, bit i % 32 of word i // 32
-set iff the pre-activation of element i is > 0 (NaN: clear), the bits past n clear.
-For bfloat16 that is 1/16 of x's bytes (jax.nn.relu keeps x or a byte per element).
+y = relu(x) (no z: the op is relu) or relu(x + z) (add_relu; the sum in float32,
+rounded once to x's dtype; NaN propagates like jnp.maximum). The residual is `mask`
+alone, the 1-bit mask of core/bitmask.py (bit set iff the pre-activation is > 0, NaN:
+clear): for bfloat16 1/16 of x's bytes (jax.nn.relu keeps x or a byte per element).
 dx = dy where the bit is set, else 0; add_relu's dz is the same array.
 """
 from __future__ import annotations
 
 import math
-from functools import partial
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
 
-from jax_ops import registry
-from jax_ops.sharding import Rules, mask_is_rowwise
-from jax_ops.primitive import ACT_DTYPES, empty as _empty, dtype_name as _fmt_dtype  # noqa: F401 - shared helpers
-from jax_ops.primitive import (define_primitive, ffi_lowering, ffi_supports, jnp_lowering,
-                               match_vma, pallas_lowering, pallas_supports, user_lowerings,
-                               vmap_reference)
+from jax_ops.core import registry
+from jax_ops.core.bitmask import MASK_DTYPE, WORD, mask_shape, pack_bits, sharding_policy, unpack_bits
+from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
+                             pallas_supports, vmap_reference)
+from jax_ops.core.op import dtype_name as _fmt_dtype
 from pallas_kernels import relu as pallas_relu
 
-MASK_DTYPE = jnp.dtype(jnp.uint32)
 
-
-def mask_words(n) -> int:
-    """uint32 words of the 1-bit mask of n elements (n may be a symbolic dim)."""
-    return -(-(int(n) if isinstance(n, (int, np.integer)) else n) // 32)
-
-
-def mask_shape(shape) -> tuple:
-    """The mask's shape for x of `shape`: when x's last axis is a whole number of words,
-    x's shape with that axis in words (x.shape[:-1] + (cols // 32,)) — the bytes of the
-    flat layout, but on x's axes, so the mask shards like x across devices —, else the
-    flat (ceil(n / 32),)."""
-    shape = tuple(shape)
-    if mask_is_rowwise(shape):
-        return shape[:-1] + (shape[-1] // 32,)
-    return (mask_words(math.prod(shape)),)
-
-
-# -------------------------------------------------- bit mask pack / unpack ---
-
-def pack_bits(pred) -> jax.Array:
-    """bool array (any shape) -> uint32 (ceil(n/32),): bit i % 32 of word i // 32 = flat pred[i]."""
-    flat = pred.reshape(-1)
-    n = flat.shape[0]
-    words = mask_words(n)
-    bits = jnp.pad(flat, (0, words * 32 - n)).reshape(words, 32).astype(MASK_DTYPE)
-    return jnp.sum(bits << jnp.arange(32, dtype=MASK_DTYPE), axis=1, dtype=MASK_DTYPE)
-
-
-def unpack_bits(mask, shape) -> jax.Array:
-    """uint32 words (any shape of ceil(n/32) words) -> bool array of `shape` (n
-    elements), inverse of pack_bits."""
-    n = math.prod(shape)
-    bits = (mask.reshape(-1)[:, None] >> jnp.arange(32, dtype=MASK_DTYPE)) & 1
-    return bits.reshape(-1)[:n].reshape(shape).astype(bool)
-
-
-def relu_out(pre):
-    """max(pre, 0) with NaN kept (jnp.maximum's rule), in pre's dtype."""
-    return jnp.maximum(pre, 0)
+def _op_name(has_z: bool) -> str:
+    return "add_relu" if has_z else "relu"
 
 
 # ------------------------------------------------------------- validation ---
@@ -79,7 +37,7 @@ def _check_x(op, x):
                         f"got dtype {_fmt_dtype(x.dtype)}")
 
 
-def check_z(op, x, z):
+def _check_z(op, x, z):
     """z must have x's dtype and a shape that broadcasts to x's."""
     if z.dtype != x.dtype:
         raise TypeError(f"jax_ops.{op}: z must have x's dtype {_fmt_dtype(x.dtype)}; "
@@ -95,107 +53,84 @@ def check_z(op, x, z):
 
 # ---------------------------------------------------------------- forward ---
 
-def _op_of(params) -> str:
-    return "add_relu" if params["has_z"] else "relu"
-
-
-def _fwd_abstract(x, z, *, has_z, implementation):
-    _check_x(_op_of({"has_z": has_z}), x)
-    if has_z and (z.shape != x.shape or z.dtype != x.dtype):
+def _fwd_abstract(x, z):
+    _check_x(_op_name(z is not None), x)
+    if z is not None and (z.shape != x.shape or z.dtype != x.dtype):
         raise ValueError(f"jax_ops.add_relu forward: z must match x; got z {z.shape} "
                          f"{_fmt_dtype(z.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
     return core.ShapedArray(x.shape, x.dtype), core.ShapedArray(mask_shape(x.shape), MASK_DTYPE)
 
 
-def _fwd_reference(x, z, *, has_z):
+def _fwd_reference(x, z):
     pre = x.astype(jnp.float32)
-    if has_z:
+    if z is not None:
         pre = pre + z.astype(jnp.float32)
-    return relu_out(pre).astype(x.dtype), pack_bits(pre > 0).reshape(mask_shape(x.shape))
+    # jnp.maximum keeps NaN; the mask bit of NaN is clear
+    return jnp.maximum(pre, 0).astype(x.dtype), pack_bits(pre > 0)
 
 
-def _fold_batch(a, d, size):
+def _front(a, d, size):
     """Batch axis first; an unbatched operand is broadcast to the batch."""
     return jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
 
 
-def _fwd_batch(args, dims, **params):
+def _example_shape(a, d):
+    return a.shape if d is None else a.shape[:d] + a.shape[d + 1:]
+
+
+def _fwd_batch(stage, args, dims, **params):
     x, z = args
-    size = x.shape[dims[0]] if dims[0] is not None else z.shape[dims[1]]
-    per_example = int(np.prod(x.shape, dtype=np.int64)) // (x.shape[dims[0]] if dims[0] is not None else 1)
-    if per_example % 32:  # examples' masks don't start on word boundaries
-        return vmap_reference(_fwd_reference, args, dims, params)
-    x = _fold_batch(x, dims[0], size)
-    if params["has_z"]:
-        z = _fold_batch(z, dims[1], size)
-    y, mask = relu_fwd_p.bind(x, z, **params)
-    return (y, mask.reshape((size,) + mask_shape(x.shape[1:]))), (0, 0)
-
-
-def mask_policy(layout, mesh, params):
-    """Shardings the mask can follow: with a row-wise mask, any sharding of x whose
-    local last axis is a whole number of words; with a flat mask (x's last axis not a
-    multiple of 32), none — x is gathered (documented)."""
-    if not mask_is_rowwise(layout.shape):
-        return layout.replace(dims=((),) * len(layout.dims))
-    k = math.prod(mesh.shape[a] for a in layout.dims[-1])
-    if (layout.shape[-1] // k) % 32:
-        return layout.replace(dims=layout.dims[:-1] + ((),))
-    return layout
-
-
-# relu is elementwise: every device runs the kernel on its shard; the mask shards like x.
-FWD_RULES = Rules(ins=lambda p: ("x", "x"), outs=lambda p: ("x", "mask"), policy=mask_policy)
-BWD_RULES = Rules(ins=lambda p: ("x", "mask"), outs=lambda p: ("x",), policy=mask_policy)
-
-relu_fwd_p = define_primitive("relu_fwd", stage="fwd", op_of=_op_of, abstract_eval=_fwd_abstract,
-                              batching_rule=_fwd_batch, sharding=FWD_RULES)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    example = _example_shape(x, dims[0])
+    if math.prod(example) % WORD:  # the examples' masks would not start on word boundaries
+        return vmap_reference(stage, args, dims, **params)
+    x = _front(x, dims[0], size)
+    z = None if z is None else _front(z, dims[1], size)
+    y, mask = stage.call(x, z, **params)
+    return (y, mask.reshape((size,) + mask_shape(example))), (0, 0)
 
 
 # --------------------------------------------------------------- backward ---
 
-def _bwd_abstract(dy, mask, *, has_z, implementation):
+def _bwd_abstract(dy, mask, *, has_z):
     if mask.dtype != MASK_DTYPE or tuple(mask.shape) != mask_shape(dy.shape):
-        raise ValueError(f"jax_ops.{_op_of({'has_z': has_z})} backward: mask must be uint32 of shape "
+        raise ValueError(f"jax_ops.{_op_name(has_z)} backward: mask must be uint32 of shape "
                          f"{mask_shape(dy.shape)} for dy of shape {dy.shape}; got {mask.shape} "
                          f"{_fmt_dtype(mask.dtype)}")
     return (core.ShapedArray(dy.shape, dy.dtype),)
 
 
 def _bwd_reference(dy, mask, *, has_z):
-    del has_z
     return (jnp.where(unpack_bits(mask, dy.shape), dy, jnp.zeros((), dy.dtype)),)
 
 
-def _bwd_batch(args, dims, **params):
+def _bwd_batch(stage, args, dims, **params):
     dy, mask = args
-    size = dy.shape[dims[0]] if dims[0] is not None else mask.shape[dims[1]]
-    per_example = int(np.prod(dy.shape, dtype=np.int64)) // (dy.shape[dims[0]] if dims[0] is not None else 1)
-    if per_example % 32:
-        return vmap_reference(_bwd_reference, args, dims, params)
-    dy = _fold_batch(dy, dims[0], size)
-    mask = _fold_batch(mask, dims[1], size).reshape(mask_shape(dy.shape))
-    return relu_bwd_p.bind(dy, mask, **params), (0,)
-
-
-relu_bwd_p = define_primitive("relu_bwd", stage="bwd", op_of=_op_of, abstract_eval=_bwd_abstract,
-                              batching_rule=_bwd_batch, sharding=BWD_RULES)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    if math.prod(_example_shape(dy, dims[0])) % WORD:
+        return vmap_reference(stage, args, dims, **params)
+    dy = _front(dy, dims[0], size)
+    mask = _front(mask, dims[1], size).reshape(mask_shape(dy.shape))
+    return stage.call(dy, mask, **params), (0,)
 
 
 # --------------------------------------------------------- implementations ---
 
-def _pallas_fwd(x, z, *, has_z, config, interpret):
-    if x.size == 0:
-        return _fwd_reference(x, z, has_z=has_z)
-    y, mask = pallas_relu.relu_fwd(x, z if has_z else None, config=config, interpret=interpret)
+_ffi_fwd = ffi("jax_ops_relu_fwd", lambda p: {"has_z": p["has_z"]}, flat_results=(1,))
+
+
+def _cuda_fwd(call, x, z):
+    # The handler's has_z attribute says whether z is bound.
+    return _ffi_fwd(call, x, z, has_z=z is not None)
+
+
+def _pallas_fwd(call, x, z):
+    y, mask = pallas_relu.relu_fwd(x, z, config=call.config, interpret=call.interpret)
     return y, mask.reshape(mask_shape(x.shape))
 
 
-def _pallas_bwd(dy, mask, *, has_z, config, interpret):
-    del has_z
-    if dy.size == 0:
-        return (dy,)
-    return (pallas_relu.relu_bwd(dy, mask.reshape(-1), config=config, interpret=interpret),)
+def _pallas_bwd(call, dy, mask, *, has_z):
+    return (pallas_relu.relu_bwd(dy, mask.reshape(-1), config=call.config, interpret=call.interpret),)
 
 
 def _pallas_configs(q):
@@ -204,68 +139,64 @@ def _pallas_configs(q):
 
 
 def _pallas_limit(q):
-    n = int(np.prod(q.shape, dtype=np.int64))
-    return pallas_relu.supports(n)
+    return pallas_relu.supports(int(np.prod(q.shape, dtype=np.int64)))
 
 
-def _user_lowerings(op):
-    """Adapter for register_implementation: fn(x) -> y for relu, fn(x, z) -> y for
-    add_relu (the mask is packed from y > 0 by jnp); backward(dy, mask) -> dx."""
-    def adapt(fn, backward, tunable):
-        def fwd(x, z, *, has_z, config):
-            kw = {"config": config} if tunable else {}
-            y = jnp.asarray(fn(x, z, **kw) if has_z else fn(x, **kw)).astype(x.dtype).reshape(x.shape)
-            return y, pack_bits(y > 0).reshape(mask_shape(x.shape))
+def _user_adapter(fn, backward, tunable):
+    """register_implementation's adapter: fn(x) -> y for relu, fn(x, z) -> y for
+    add_relu (the mask is packed from y > 0 by jnp); backward(dy, mask) -> dx, the mask
+    flat (ceil(n / 32),)."""
+    def fwd(call, x, z):
+        kw = {"config": call.config} if tunable else {}
+        y = fn(x, **kw) if z is None else fn(x, z, **kw)
+        y = jnp.asarray(y).astype(x.dtype).reshape(x.shape)
+        return y, pack_bits(y > 0)
 
-        def bwd(dy, mask, *, has_z, config):
-            kw = {"config": config} if tunable else {}
-            return (jnp.asarray(backward(dy, mask.reshape(-1), **kw)).astype(dy.dtype).reshape(dy.shape),)
+    def bwd(call, dy, mask, *, has_z):
+        kw = {"config": call.config} if tunable else {}
+        return (jnp.asarray(backward(dy, mask.reshape(-1), **kw)).astype(dy.dtype).reshape(dy.shape),)
 
-        return user_lowerings(fwd, bwd if backward is not None else None)
-    return adapt
-
-
-def _register_builtins():
-    for op in ("relu", "add_relu"):
-        registry.add(registry.Implementation(
-            op, "xla", {"fwd": jnp_lowering(_fwd_reference), "bwd": jnp_lowering(_bwd_reference)},
-            supports=lambda q: True, description="plain jax.numpy (bit packing by a reduction)"))
-        registry.add(registry.Implementation(
-            op, "cuda",
-            {"fwd": ffi_lowering("jax_ops_relu_fwd", lambda p: {"has_z": bool(p["has_z"])},
-                                 flat_results=(1,)),
-             "bwd": ffi_lowering("jax_ops_relu_bwd", lambda p: {}, flat_operands=(1,))},
-            supports=ffi_supports("jax_ops_relu_fwd"),
-            description="hand CUDA kernels through XLA FFI (host C++ on CPU)"))
-        registry.add(registry.Implementation(
-            op, "pallas", {"fwd": pallas_lowering(_pallas_fwd), "bwd": pallas_lowering(_pallas_bwd)},
-            supports=pallas_supports(_pallas_limit), configs=_pallas_configs,
-            description="Pallas kernels (Triton back end)"))
-        registry.define_user_adapter(op, _user_lowerings(op))
+    return {"fwd": fwd, **({"bwd": bwd} if backward is not None else {})}
 
 
-_register_builtins()
+# ----------------------------------------------------------- declaration ---
+
+# relu is elementwise: every device runs the kernels on its shard; the mask shards like
+# x where its last axis holds whole words (bitmask.sharding_policy).
+FWD = Stage("relu_fwd", "fwd", ("x", "z?"), ("y", "mask"),
+            op_of=lambda p: _op_name(p["present"][1]), abstract=_fwd_abstract,
+            reference=_fwd_reference, batch=_fwd_batch,
+            roles={"x": "x", "z": "x", "y": "x", "mask": "mask"}, policy=sharding_policy)
+# has_z: whether the forward added z (which op's implementation the backward takes)
+BWD = Stage("relu_bwd", "bwd", ("dy", "mask"), ("dx",),
+            op_of=lambda p: _op_name(p["has_z"]), abstract=_bwd_abstract,
+            reference=_bwd_reference, batch=_bwd_batch,
+            roles={"dy": "x", "mask": "mask", "dx": "x"}, policy=sharding_policy)
 
 
-# ------------------------------------------------------------- custom VJP ---
-
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _relu(x, z, has_z, implementation):
-    y, _ = relu_fwd_p.bind(x, z, has_z=has_z, implementation=implementation)
-    return y
+def _residuals(ops, outs, params):
+    return (outs["mask"],)
 
 
-def _relu_fwd(x, z, has_z, implementation):
-    y, mask = relu_fwd_p.bind(x, z, has_z=has_z, implementation=implementation)
-    return y, mask
+def _backward(res, cts, wanted, params, in_avals):
+    (mask,) = res
+    (dx,) = BWD.call(cts["y"], mask, has_z=in_avals["z"] is not None,
+                     implementation=params["implementation"])
+    return {"x": dx, "z": dx}
 
 
-def _relu_bwd(has_z, implementation, mask, dy):
-    (dx,) = relu_bwd_p.bind(dy, mask, has_z=has_z, implementation=implementation)
-    return dx, (dx if has_z else _empty())
-
-
-_relu.defvjp(_relu_fwd, _relu_bwd)
+RELU = Op(
+    ("relu", "add_relu"), FWD, BWD,
+    outputs=lambda p: ("y",), residuals=_residuals, backward=_backward,
+    user_adapter=_user_adapter,
+    impls={
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": ffi("jax_ops_relu_bwd", flat_operands=(1,))},
+                     supports=ffi_supports("jax_ops_relu_fwd"),
+                     description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
+        "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
+                       supports=pallas_supports(_pallas_limit), configs=_pallas_configs,
+                       description="Pallas kernels (Triton back end)"),
+    })
 
 
 # ------------------------------------------------------------- public API ---
@@ -281,7 +212,7 @@ def relu(x, *, implementation: str | None = None):
     registry.check_name("relu", implementation)
     x = jnp.asarray(x)
     _check_x("relu", x)
-    return _relu(x, _empty(), False, implementation or registry.override_for("relu"))
+    return FWD.call(x, None, implementation=implementation or registry.override_for("relu"))[0]
 
 
 def add_relu(x, z, *, implementation: str | None = None):
@@ -298,8 +229,8 @@ def add_relu(x, z, *, implementation: str | None = None):
     registry.check_name("add_relu", implementation)
     x, z = jnp.asarray(x), jnp.asarray(z)
     _check_x("add_relu", x)
-    check_z("add_relu", x, z)
+    _check_z("add_relu", x, z)
     if z.shape != x.shape:
         z = jnp.broadcast_to(z, x.shape)
     x, z = match_vma(x, z)
-    return _relu(x, z, True, implementation or registry.override_for("add_relu"))
+    return FWD.call(x, z, implementation=implementation or registry.override_for("add_relu"))[0]
