@@ -304,17 +304,15 @@ def _wider_x(x, out_dtype):
 
 
 def layer_norm_replacement(x, scale=None, bias=None, *, epsilon, out_dtype, **_):
-    import jax_ops
     x = _wider_x(x, out_dtype)
     scale, bias = _norm_params(x, scale, bias)
-    return jax_ops.layer_norm(x, scale, bias, epsilon=epsilon).astype(out_dtype)
+    return layer_norm(x, scale, bias, epsilon=epsilon).astype(out_dtype)
 
 
 def rms_norm_replacement(x, scale=None, *, epsilon, out_dtype, **_):
-    import jax_ops
     x = _wider_x(x, out_dtype)
     scale, _ = _norm_params(x, scale, None)
-    return jax_ops.rms_norm(x, scale, epsilon=epsilon).astype(out_dtype)
+    return rms_norm(x, scale, epsilon=epsilon).astype(out_dtype)
 
 
 def _flax_available() -> bool:
