@@ -44,7 +44,7 @@ def variants(op):
 
     def ref(x, *p):
         bias = jnp.zeros((0,), jnp.float32) if rms else p[1]
-        return _fwd_reference(x, p[0], bias, epsilon=eps, rms=rms, with_stats=False)[0]
+        return _fwd_reference(x, None, p[0], bias, epsilon=eps, rms=rms, with_stats=False)[0]
 
     return {"triton": triton, "mosaic": mosaic, "cuda": cuda, "xla": ref}
 
