@@ -114,10 +114,8 @@ struct LoadX {
   __device__ __forceinline__ void operator()(int64_t i, Pack<T, PACK>& out) const {
     out = *reinterpret_cast<const Pack<T, PACK>*>(x + i);
   }
-  // The same elements again, for a second pass over a row not cached on chip.
-  template <int PACK>
-  __device__ __forceinline__ void reload(int64_t i, Pack<T, PACK>& out) const { (*this)(i, out); }
-  // One row's packs by pack index, the row starting at pack `first` (block tiers).
+  // The block tier's view: one row's packs by pack index, the row starting at pack
+  // `first`; reload() reads them again (second pass over a row not cached on chip).
   template <int PACK>
   struct Packs {
     const Pack<T, PACK>* x;
@@ -148,11 +146,6 @@ struct LoadAdd {
     for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(px.v[k], pr.v[k]);
     *reinterpret_cast<Pack<T, PACK>*>(h + i) = out;
   }
-  // The second pass re-reads h, which this very thread wrote in the first.
-  template <int PACK>
-  __device__ __forceinline__ void reload(int64_t i, Pack<T, PACK>& out) const {
-    out = *reinterpret_cast<const Pack<T, PACK>*>(h + i);
-  }
   template <int PACK>
   struct Packs {
     const Pack<T, PACK>* x;
@@ -164,6 +157,7 @@ struct LoadAdd {
       for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(px.v[k], pr.v[k]);
       h[v] = out;
     }
+    // The second pass re-reads h, which this very thread wrote in the first.
     __device__ __forceinline__ void reload(int64_t v, Pack<T, PACK>& out) const { out = h[v]; }
   };
   template <int PACK>
