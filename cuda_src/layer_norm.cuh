@@ -174,7 +174,9 @@ struct StoreDx {
   T* dx;
   __device__ __forceinline__ explicit StoreDx(const BwdArgs& a) : dx(static_cast<T*>(a.dx)) {}
   template <int PACK>
-  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const { store_pack<T, PACK>(dx + i, v); }
+  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
+    store_pack<T, PACK>(dx + i, v);
+  }
 };
 
 // ... or add+norm's dx = norm_backward(dy, h) + dh (h's cotangent flows into x and

@@ -230,10 +230,11 @@ def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...]
         out_shape.append(jax.ShapeDtypeStruct(work_shape, jnp.float32))
     operands = ([dy] + ([] if dh is None else [dh]) + [x] + ([] if rms else [mean]) + [rstd]
                 + ([] if scale is None else [scale]))
+    prefix = "jax_ops_add_" if dh is not None else "jax_ops_"
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(programs,),
         compiler_params=compiler_params(cfg["num_warps"]), interpret=interpret,
-        name=("jax_ops_add_" if dh is not None else "jax_ops_") + ("rms_norm_bwd" if rms else "layer_norm_bwd"))(*operands)
+        name=prefix + ("rms_norm_bwd" if rms else "layer_norm_bwd"))(*operands)
     if not param_grads:
         return outs[0], None, None, None
     work = outs[1]
