@@ -15,6 +15,10 @@
 //                  twice) and a column-tiled kernel for the dscale/dbias partials.
 // Partials are [partial_rows, cols] float32 and summed by a second kernel in a
 // fixed order: no atomics, bitwise reproducible.
+// add+norm (OneFlow-style functors): the forward kernels read their row through a
+// Load functor (LoadX: x; LoadAdd: h = x + residual rounded to T, stored to h as it
+// is read) and the backward kernels write dx through a Store functor (StoreDx, or
+// StoreDxAddDh: dx + dh), so every tier serves both with no copied kernels.
 #pragma once
 #include <cuda_runtime.h>
 #include <type_traits>
@@ -98,6 +102,102 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
   return bcast;
 }
 
+// ---------------------------------------------------- load/store functors ---
+
+// Forward row loads by flat element index i (PACK elements, i % PACK == 0): plain x.
+template <typename T>
+struct LoadX {
+  using Args = FwdArgs;  // the kernels' parameter
+  const T* x;
+  __device__ __forceinline__ explicit LoadX(const FwdArgs& a) : x(static_cast<const T*>(a.x)) {}
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, Pack<T, PACK>& out) const {
+    out = *reinterpret_cast<const Pack<T, PACK>*>(x + i);
+  }
+  // The block tier's view: one row's packs by pack index, the row starting at pack
+  // `first`; reload() reads them again (second pass over a row not cached on chip).
+  template <int PACK>
+  struct Packs {
+    const Pack<T, PACK>* x;
+    __device__ __forceinline__ void operator()(int64_t v, Pack<T, PACK>& out) const { out = x[v]; }
+    __device__ __forceinline__ void reload(int64_t v, Pack<T, PACK>& out) const { out = x[v]; }
+  };
+  template <int PACK>
+  __device__ __forceinline__ Packs<PACK> packs(int64_t first) const {
+    return {reinterpret_cast<const Pack<T, PACK>*>(x) + first};
+  }
+};
+
+// add+norm: h = x + residual rounded to T, written to the h output as it is read;
+// the kernels then normalize h (its statistics are those of the rounded values).
+template <typename T>
+struct LoadAdd {
+  using Args = FwdAddArgs;
+  const T* x;
+  const T* residual;
+  T* h;
+  __device__ __forceinline__ explicit LoadAdd(const FwdAddArgs& a)
+      : x(static_cast<const T*>(a.x)), residual(static_cast<const T*>(a.residual)), h(static_cast<T*>(a.h)) {}
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, Pack<T, PACK>& out) const {
+    const Pack<T, PACK> px = *reinterpret_cast<const Pack<T, PACK>*>(x + i);
+    const Pack<T, PACK> pr = *reinterpret_cast<const Pack<T, PACK>*>(residual + i);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(px.v[k], pr.v[k]);
+    *reinterpret_cast<Pack<T, PACK>*>(h + i) = out;
+  }
+  template <int PACK>
+  struct Packs {
+    const Pack<T, PACK>* x;
+    const Pack<T, PACK>* residual;
+    Pack<T, PACK>* h;
+    __device__ __forceinline__ void operator()(int64_t v, Pack<T, PACK>& out) const {
+      const Pack<T, PACK> px = x[v], pr = residual[v];
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(px.v[k], pr.v[k]);
+      h[v] = out;
+    }
+    // The second pass re-reads h, which this very thread wrote in the first.
+    __device__ __forceinline__ void reload(int64_t v, Pack<T, PACK>& out) const { out = h[v]; }
+  };
+  template <int PACK>
+  __device__ __forceinline__ Packs<PACK> packs(int64_t first) const {
+    return {reinterpret_cast<const Pack<T, PACK>*>(x) + first, reinterpret_cast<const Pack<T, PACK>*>(residual) + first,
+            reinterpret_cast<Pack<T, PACK>*>(h) + first};
+  }
+};
+
+// Backward dx stores by flat element index: plain dx ...
+template <typename T>
+struct StoreDx {
+  using Args = BwdArgs;
+  T* dx;
+  __device__ __forceinline__ explicit StoreDx(const BwdArgs& a) : dx(static_cast<T*>(a.dx)) {}
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
+    store_pack<T, PACK>(dx + i, v);
+  }
+};
+
+// ... or add+norm's dx = norm_backward(dy, h) + dh (h's cotangent flows into x and
+// residual alike), rounded once.
+template <typename T>
+struct StoreDxAddDh {
+  using Args = BwdAddArgs;
+  T* dx;
+  const T* dh;
+  __device__ __forceinline__ explicit StoreDxAddDh(const BwdAddArgs& a)
+      : dx(static_cast<T*>(a.dx)), dh(static_cast<const T*>(a.dh)) {}
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
+    float d[PACK], out[PACK];
+    load_pack<T, PACK>(dh + i, d);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out[k] = v[k] + d[k];
+    store_pack<T, PACK>(dx + i, out);
+  }
+};
+
 // ---------------------------------------------------------------- forward ---
 
 // Exact two-pass statistics of a row held in registers by a group of WIDTH
@@ -132,13 +232,13 @@ __device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], 
 }
 
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
-__global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
+__global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args a) {
   constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
-  const T* x = static_cast<const T*>(a.x);
+  const L load(a);
   T* y = static_cast<T*>(a.y);
   // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
   for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
@@ -150,7 +250,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (row < a.rows && col < a.cols) raw[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
+        if (row < a.rows && col < a.cols) load(row * a.cols + col, raw[r][v]);
       }
     }
 #pragma unroll
@@ -179,18 +279,18 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(FwdArgs a) {
 
 // Block per row, each thread holding K packs of the row in registers: no shared
 // memory round trip, and all K loads of a thread are in flight at once.
-template <typename T, typename P, int PACK, int K>
-__global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(FwdArgs a) {
+template <typename T, typename P, int PACK, int K, typename L>
+__global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
-  const PackT* x = static_cast<const PackT*>(a.x);
+  const L load(a);
   T* y = static_cast<T*>(a.y);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     PackT raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
-      if (v < nvec) raw[k] = x[row * nvec + v];
+      if (v < nvec) load((row * nvec + v) * PACK, raw[k]);
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
     // thread in the block reduction.
@@ -232,20 +332,21 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(Fwd
   }
 }
 
-template <typename T, typename P, int PACK, bool CACHE>
-__global__ void fwd_block_kernel(FwdArgs a) {
+template <typename T, typename P, int PACK, bool CACHE, typename L>
+__global__ void fwd_block_kernel(typename L::Args a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
   PackT* cache = reinterpret_cast<PackT*>(smem_raw);
   const int64_t nvec = a.cols / PACK;
-  const PackT* x = static_cast<const PackT*>(a.x);
+  const L load(a);
   T* y = static_cast<T*>(a.y);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const PackT* xr = x + row * nvec;
+    const auto xr = load.template packs<PACK>(row * nvec);  // this row
     NormAcc acc;
 #pragma unroll 4
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const PackT pk = xr[v];
+      PackT pk;
+      xr(v, pk);
       if (CACHE) cache[v] = pk;
       float f[PACK];
 #pragma unroll
@@ -255,7 +356,9 @@ __global__ void fwd_block_kernel(FwdArgs a) {
     const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
 #pragma unroll 4
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
-      const PackT pk = CACHE ? cache[v] : xr[v];
+      PackT pk;
+      if (CACHE) pk = cache[v];
+      else xr.reload(v, pk);
       float sc[PACK], bi[PACK], out[PACK];
       load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
       load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
@@ -274,15 +377,15 @@ __global__ void fwd_block_kernel(FwdArgs a) {
 
 // --------------------------------------------------------------- backward ---
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS>
-__global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(BwdArgs a, float* part_ds, float* part_db) {
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S>
+__global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
+  const S store(a);
   const float inv_n = 1.f / float(a.cols);
   float ds[N], db[N];
 #pragma unroll
@@ -344,7 +447,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(BwdArgs a, float
           ds[i] += d * xh;
           db[i] += d;
         }
-        store_pack<T, PACK>(dx + row * a.cols + col, out);
+        store(row * a.cols + col, out);
       }
     }
   }
@@ -377,12 +480,12 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(BwdArgs a, float
 
 // Block per row; each thread owns K packs of every row (fixed columns), so its
 // dscale/dbias partials stay in registers across rows.
-template <typename T, typename P, int PACK, int K>
-__global__ void __launch_bounds__(1024) bwd_block_regs_kernel(BwdArgs a, float* part_ds, float* part_db) {
+template <typename T, typename P, int PACK, int K, typename S>
+__global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = K * PACK;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
+  const S store(a);
   const float inv_n = 1.f / float(a.cols);
   float ds[N], db[N], sc[N];
 #pragma unroll
@@ -434,7 +537,7 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(BwdArgs a, float* 
         ds[i] += dyv[i] * xh[i];
         db[i] += dyv[i];
       }
-      store_pack<T, PACK>(dx + row * a.cols + col, out);
+      store(row * a.cols + col, out);
     }
   }
 #pragma unroll
@@ -451,8 +554,8 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(BwdArgs a, float* 
 
 // Block per row for long rows: dx only (x and dy cached in shared memory, or
 // read twice); dscale/dbias come from param_grad_kernel.
-template <typename T, typename P, int PACK, bool CACHE>
-__global__ void bwd_block_kernel(BwdArgs a) {
+template <typename T, typename P, int PACK, bool CACHE, typename S>
+__global__ void bwd_block_kernel(typename S::Args a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
@@ -460,7 +563,7 @@ __global__ void bwd_block_kernel(BwdArgs a) {
   PackT* cache_dy = cache_x + nvec;
   const PackT* x = static_cast<const PackT*>(a.x);
   const PackT* dy = static_cast<const PackT*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
+  const S store(a);
   const float inv_n = 1.f / float(a.cols);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const float mean = a.rms ? 0.f : a.mean[row];
@@ -488,7 +591,7 @@ __global__ void bwd_block_kernel(BwdArgs a) {
 #pragma unroll
       for (int k = 0; k < PACK; ++k)
         out[k] = norm_dx(to_float(pd.v[k]) * sc[k], (to_float(px.v[k]) - mean) * rstd, rstd, mg, mgx);
-      store_pack<T, PACK>(dx + row * a.cols + v * PACK, out);
+      store(row * a.cols + v * PACK, out);
     }
     if (CACHE) __syncthreads();
   }
@@ -544,11 +647,11 @@ __global__ void __launch_bounds__(256) sum_partials_kernel(const float* part, in
 
 // -------------------------------------------------------------- launchers ---
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH>
-cudaError_t launch_fwd_regs(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename L>
+cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
   constexpr int ROWS = WIDTH < 32 ? 4 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
-  auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS>;
+  auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L>;
   // One tile per warp rather than a persistent grid: with few tiles per warp a
   // persistent grid leaves a partly idle last round, the scheduler balances better.
   int blocks = 0;
@@ -560,24 +663,24 @@ cudaError_t launch_fwd_regs(const FwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, typename P, int PACK>
-cudaError_t fwd_regs_dispatch(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, typename L>
+cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   return dispatch_group_shape<PACK, fwd_regs_max_cols<T, PACK>()>(a.cols / PACK, [&](auto vpt, auto width) {
-    return launch_fwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value>(a, stream);
+    return launch_fwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, L>(a, stream);
   });
 }
 
-template <typename T, typename P, int PACK>
-cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, typename L>
+cudaError_t launch_fwd_block(const FwdAddArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   const int threads = block_threads(nvec);
   const size_t smem = size_t(a.cols) * sizeof(T);
   int blocks = 0;
-  if (cached_grid(fwd_block_kernel<T, P, PACK, true>, threads, smem, a.rows, &blocks)) {
-    fwd_block_kernel<T, P, PACK, true><<<blocks, threads, smem, stream>>>(a);
+  if (cached_grid(fwd_block_kernel<T, P, PACK, true, L>, threads, smem, a.rows, &blocks)) {
+    fwd_block_kernel<T, P, PACK, true, L><<<blocks, threads, smem, stream>>>(a);
     return cudaGetLastError();
   }
-  auto kernel = fwd_block_kernel<T, P, PACK, false>;
+  auto kernel = fwd_block_kernel<T, P, PACK, false, L>;
   const cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
   if (err != cudaSuccess) return err;
   kernel<<<blocks, threads, 0, stream>>>(a);
@@ -589,9 +692,9 @@ cudaError_t launch_fwd_block(const FwdArgs& a, cudaStream_t stream) {
 constexpr int kBlockRegsMaxPacks = 8;
 constexpr int64_t kFwdBlockRegsMaxVec = 4096;
 
-template <typename T, typename P, int PACK, int K>
-cudaError_t launch_fwd_block_regs_k(const FwdArgs& a, int threads, cudaStream_t stream) {
-  auto kernel = fwd_block_regs_kernel<T, P, PACK, K>;
+template <typename T, typename P, int PACK, int K, typename L>
+cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream_t stream) {
+  auto kernel = fwd_block_regs_kernel<T, P, PACK, K, L>;
   int blocks = 0;
   cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
   if (err != cudaSuccess) return err;
@@ -600,34 +703,41 @@ cudaError_t launch_fwd_block_regs_k(const FwdArgs& a, int threads, cudaStream_t 
 }
 
 // About 256 threads per row (more packs per thread for longer rows, up to 8).
-template <typename T, typename P, int PACK>
-cudaError_t launch_fwd_block_regs(const FwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, typename L>
+cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   int k = 1;
   while (k < kBlockRegsMaxPacks && nvec > int64_t(256) * k) k *= 2;
   const int threads = int(((nvec + k - 1) / k + 31) / 32 * 32);
   switch (k) {
-    case 1: return launch_fwd_block_regs_k<T, P, PACK, 1>(a, threads, stream);
-    case 2: return launch_fwd_block_regs_k<T, P, PACK, 2>(a, threads, stream);
-    case 4: return launch_fwd_block_regs_k<T, P, PACK, 4>(a, threads, stream);
-    default: return launch_fwd_block_regs_k<T, P, PACK, 8>(a, threads, stream);
+    case 1: return launch_fwd_block_regs_k<T, P, PACK, 1, L>(a, threads, stream);
+    case 2: return launch_fwd_block_regs_k<T, P, PACK, 2, L>(a, threads, stream);
+    case 4: return launch_fwd_block_regs_k<T, P, PACK, 4, L>(a, threads, stream);
+    default: return launch_fwd_block_regs_k<T, P, PACK, 8, L>(a, threads, stream);
   }
 }
 
+template <typename T, typename P, int PACK, typename L>
+cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
+  if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
+  if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK, L>(a, stream);
+  return launch_fwd_block<T, P, PACK, L>(a, stream);
+}
+
 template <typename T, typename P, int PACK>
-cudaError_t launch_fwd_packed(const FwdArgs& a, cudaStream_t stream) {
-  if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK>(a, stream);
-  if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK>(a, stream);
-  return launch_fwd_block<T, P, PACK>(a, stream);
+cudaError_t launch_fwd_load(const FwdAddArgs& a, cudaStream_t stream) {
+  return a.residual ? launch_fwd_packed<T, P, PACK, LoadAdd<T>>(a, stream)
+                    : launch_fwd_packed<T, P, PACK, LoadX<T>>(a, stream);
 }
 
 template <typename T, typename P>
-cudaError_t launch_fwd(const FwdArgs& a, cudaStream_t stream) {
+cudaError_t launch_fwd(const FwdAddArgs& a, cudaStream_t stream) {
   if (a.rows == 0) return cudaSuccess;
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.y, 16) &&
-                      aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.bias, sizeof(P) * VEC);
-  return vec_ok ? launch_fwd_packed<T, P, VEC>(a, stream) : launch_fwd_packed<T, P, 1>(a, stream);
+                      aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.bias, sizeof(P) * VEC) &&
+                      aligned_to(a.residual, 16) && aligned_to(a.h, 16);
+  return vec_ok ? launch_fwd_load<T, P, VEC>(a, stream) : launch_fwd_load<T, P, 1>(a, stream);
 }
 
 // Backward: dscale/dbias partials go to the XLA-allocated workspace a.work
@@ -655,11 +765,11 @@ inline int cap_blocks(const BwdArgs& a, int blocks) {
   return (a.dscale || a.dbias) && a.work_rows < blocks ? int(a.work_rows) : blocks;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH>
-cudaError_t launch_bwd_regs(const BwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream) {
   constexpr int ROWS = WIDTH < 32 ? 2 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
-  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS>;
+  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
   const bool partials = a.dscale || a.dbias;
   const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
   cudaError_t err;
@@ -674,22 +784,22 @@ cudaError_t launch_bwd_regs(const BwdArgs& a, cudaStream_t stream) {
   return partials ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
 }
 
-template <typename T, typename P, int PACK>
-cudaError_t bwd_regs_dispatch(const BwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, typename S>
+cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream) {
   return dispatch_group_shape<PACK, kRegsMaxCols>(a.cols / PACK, [&](auto vpt, auto width) {
-    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value>(a, stream);
+    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream);
   });
 }
 
-template <typename T, typename P, int PACK, int K = 1>
-cudaError_t launch_bwd_block_regs(const BwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, typename S, int K = 1>
+cudaError_t launch_bwd_block_regs(const BwdAddArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   if (nvec > int64_t(1024) * K) {
-    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, K * 2>(a, stream);
+    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, S, K * 2>(a, stream);
     else return cudaErrorInvalidValue;
   } else {
     const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
-    auto kernel = bwd_block_regs_kernel<T, P, PACK, K>;
+    auto kernel = bwd_block_regs_kernel<T, P, PACK, K, S>;
     cudaError_t err;
     int blocks = 0;
     if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
@@ -702,17 +812,17 @@ cudaError_t launch_bwd_block_regs(const BwdArgs& a, cudaStream_t stream) {
   }
 }
 
-template <typename T, typename P, int PACK>
-cudaError_t launch_bwd_block(const BwdArgs& a, cudaStream_t stream) {
+template <typename T, typename P, int PACK, typename S>
+cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream) {
   const int64_t nvec = a.cols / PACK;
   const int threads = block_threads(nvec);
   const size_t smem = 2 * size_t(a.cols) * sizeof(T);
   cudaError_t err;
   int blocks = 0;
-  if (cached_grid(bwd_block_kernel<T, P, PACK, true>, threads, smem, a.rows, &blocks)) {
-    bwd_block_kernel<T, P, PACK, true><<<blocks, threads, smem, stream>>>(a);
+  if (cached_grid(bwd_block_kernel<T, P, PACK, true, S>, threads, smem, a.rows, &blocks)) {
+    bwd_block_kernel<T, P, PACK, true, S><<<blocks, threads, smem, stream>>>(a);
   } else {
-    auto kernel = bwd_block_kernel<T, P, PACK, false>;
+    auto kernel = bwd_block_kernel<T, P, PACK, false, S>;
     if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
     kernel<<<blocks, threads, 0, stream>>>(a);
   }
@@ -732,15 +842,21 @@ cudaError_t launch_bwd_block(const BwdArgs& a, cudaStream_t stream) {
   return finish_param_grads<P>(a, ds, db, chunks, stream);
 }
 
+template <typename T, typename P, int PACK, typename S>
+cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream) {
+  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream);
+  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK, S>(a, stream);
+  return launch_bwd_block<T, P, PACK, S>(a, stream);
+}
+
 template <typename T, typename P, int PACK>
-cudaError_t launch_bwd_packed(const BwdArgs& a, cudaStream_t stream) {
-  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK>(a, stream);
-  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK>(a, stream);
-  return launch_bwd_block<T, P, PACK>(a, stream);
+cudaError_t launch_bwd_store(const BwdAddArgs& a, cudaStream_t stream) {
+  return a.dh ? launch_bwd_packed<T, P, PACK, StoreDxAddDh<T>>(a, stream)
+              : launch_bwd_packed<T, P, PACK, StoreDx<T>>(a, stream);
 }
 
 template <typename T, typename P>
-cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
+cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream) {
   if (a.rows == 0) {
     // No rows: dscale/dbias are sums over nothing.
     cudaError_t err = cudaSuccess;
@@ -750,8 +866,8 @@ cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
   }
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) &&
-                      aligned_to(a.dx, 16) && aligned_to(a.scale, sizeof(P) * VEC);
-  return vec_ok ? launch_bwd_packed<T, P, VEC>(a, stream) : launch_bwd_packed<T, P, 1>(a, stream);
+                      aligned_to(a.dx, 16) && aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.dh, 16);
+  return vec_ok ? launch_bwd_store<T, P, VEC>(a, stream) : launch_bwd_store<T, P, 1>(a, stream);
 }
 
 }  // namespace jax_ops::norm

@@ -44,6 +44,13 @@ struct FwdArgs {
   int64_t rows; int64_t cols; float eps; bool rms;
 };
 
+// add+norm: the row normalized is h = x + residual rounded to T, written to h;
+// dx = norm_backward(dy, h) + dh. The pointers are null for the plain norms, whose
+// kernels take the base structs (their parameter layout, hence code, unchanged).
+struct FwdAddArgs : FwdArgs {
+  const void* residual; void* h;
+};
+
 struct BwdArgs {
   const void* dy; const void* x;
   const float* mean; const float* rstd;  // mean is null for RMSNorm
@@ -51,6 +58,10 @@ struct BwdArgs {
   void* dx; void* dscale; void* dbias;    // dscale/dbias null when not wanted
   int64_t rows; int64_t cols; bool rms;
   float* work; int64_t work_rows;         // CUDA: [2, work_rows, cols] float32 partials
+};
+
+struct BwdAddArgs : BwdArgs {
+  const void* dh;                         // h's cotangent, added to dx
 };
 }  // namespace norm
 
@@ -80,5 +91,11 @@ JO_HD float norm_out(float x, RowStats s, float scale, float bias) {
 JO_HD float norm_dx(float g, float xhat, float rstd, float mean_g, float mean_gxhat) {
   return rstd * (g - mean_g - xhat * mean_gxhat);
 }
+
+// add+norm: h = x + residual, rounded once to the storage type (what `x + residual`
+// gives in jnp for same-dtype operands: the float sum of two 16-bit values rounds
+// to them exactly as the correctly rounded 16-bit sum would).
+template <typename T>
+JO_HD T add_rounded(T x, T residual) { return from_float<T>(to_float(x) + to_float(residual)); }
 
 }  // namespace jax_ops

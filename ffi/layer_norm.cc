@@ -1,8 +1,13 @@
 // XLA FFI handlers of the LayerNorm/RMSNorm family ("jax_ops_norm_fwd",
 // "jax_ops_norm_bwd"): CPU always, CUDA when this file is compiled by nvcc.
-// Absent operands/results (no scale, no bias, statistics not wanted) are
-// passed as zero-element buffers. The backward's last result is a float32
-// workspace for the CUDA kernels' dscale/dbias partials (unused on CPU).
+// Absent operands/results (no scale, no bias, statistics not wanted, no
+// residual/h/dh outside add+norm) are passed as zero-element buffers. The
+// backward's last result is a float32 workspace for the CUDA kernels'
+// dscale/dbias partials (unused on CPU).
+//   fwd: (x, residual, scale, bias) -> (y, h, mean, rstd)
+//   bwd: (dy, dh, x, mean, rstd, scale) -> (dx, dscale, dbias, workspace)
+// add+norm: h = x + residual (rounded to x's dtype) is written and normalized;
+// the backward's x is that h and dx = norm_backward(dy, h) + dh.
 #include <cmath>
 #include <vector>
 #include "ffi/common.h"
@@ -56,14 +61,28 @@ ffi::ErrorOr<ffi::DataType> param_dtype(const ffi::AnyBuffer& scale, const ffi::
   return has_s ? scale.element_type() : has_b ? bias.element_type() : ffi::DataType::F32;
 }
 
-ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                               ffi::AnyBuffer y, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                               float eps, bool rms) {
+// An optional buffer like x: absent (0 elements) or x's element count and dtype.
+ffi::Error expect_like_x(const ffi::AnyBuffer& b, const char* name, const ffi::AnyBuffer& x) {
+  if (b.element_count() == 0) return ffi::Error::Success();  // absent (or x is empty too)
+  if (b.element_count() == x.element_count() && b.element_type() == x.element_type()) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + " must match x (" + dims_str(x.dimensions()) + " " +
+                                     dtype_name(x.element_type()) + ") or be absent; got " +
+                                     dims_str(b.dimensions()) + " " + dtype_name(b.element_type()));
+}
+
+ffi::ErrorOr<FwdAddArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer scale,
+                               ffi::AnyBuffer bias, ffi::AnyBuffer y, ffi::AnyBuffer h,
+                               ffi::AnyBuffer mean, ffi::AnyBuffer rstd, float eps, bool rms) {
   auto shape = rows_cols(x, "x");
   if (shape.has_error()) return shape.error();
   const auto [rows, cols] = shape.value();
   if (y.element_type() != x.element_type() || y.element_count() != x.element_count())
     return ffi::Error::InvalidArgument("y must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_like_x(residual, "residual", x));
+  JO_RETURN_IF_ERROR(expect_like_x(h, "h", x));
+  if ((residual.element_count() == 0) != (h.element_count() == 0))
+    return ffi::Error::InvalidArgument("residual and h must be both present (add+norm) or both absent");
+  const bool add = residual.element_count() > 0;
   JO_RETURN_IF_ERROR(expect_count(scale, "scale", cols, true));
   JO_RETURN_IF_ERROR(expect_count(bias, "bias", cols, true));
   JO_RETURN_IF_ERROR(expect_count(mean, "mean", rows, true));
@@ -72,18 +91,19 @@ ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyB
   JO_RETURN_IF_ERROR(expect_f32(rstd, "rstd"));
   if (!(eps >= 0.f)) return ffi::Error::InvalidArgument("epsilon must be >= 0");
   const bool stats = rstd.element_count() > 0 && rows > 0;
-  return FwdArgs{x.untyped_data(), y.untyped_data(),
+  return FwdAddArgs{{x.untyped_data(), y.untyped_data(),
                  scale.element_count() ? scale.untyped_data() : nullptr,
                  bias.element_count() ? bias.untyped_data() : nullptr,
                  (stats && mean.element_count()) ? static_cast<float*>(mean.untyped_data()) : nullptr,
                  stats ? static_cast<float*>(rstd.untyped_data()) : nullptr,
-                 rows, cols, eps, rms};
+                 rows, cols, eps, rms},
+                    add ? residual.untyped_data() : nullptr, add ? h.untyped_data() : nullptr};
 }
 
-ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean,
-                               ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer dx,
-                               ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, ffi::AnyBuffer work,
-                               bool rms) {
+ffi::ErrorOr<BwdAddArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x,
+                               ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
+                               ffi::AnyBuffer dx, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
+                               ffi::AnyBuffer work, bool rms) {
   auto shape = rows_cols(x, "x");
   if (shape.has_error()) return shape.error();
   const auto [rows, cols] = shape.value();
@@ -91,6 +111,7 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuff
     return ffi::Error::InvalidArgument("dy must match x in shape and dtype");
   if (dx.element_type() != x.element_type() || dx.element_count() != x.element_count())
     return ffi::Error::InvalidArgument("dx must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_like_x(dh, "dh", x));
   JO_RETURN_IF_ERROR(expect_count(mean, "mean", rows, rms));
   JO_RETURN_IF_ERROR(expect_count(rstd, "rstd", rows, false));
   JO_RETURN_IF_ERROR(expect_f32(mean, "mean"));
@@ -107,14 +128,15 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuff
   const int64_t work_rows = int64_t(work.element_count()) / (2 * cols);
   if ((dscale.element_count() || dbias.element_count()) && rows > 0 && work_rows < 1)
     return ffi::Error::InvalidArgument("workspace too small for the dscale/dbias partials");
-  return BwdArgs{dy.untyped_data(), x.untyped_data(),
+  return BwdAddArgs{{dy.untyped_data(), x.untyped_data(),
                  rms ? nullptr : static_cast<const float*>(mean.untyped_data()),
                  static_cast<const float*>(rstd.untyped_data()),
                  scale.element_count() ? scale.untyped_data() : nullptr,
                  dx.untyped_data(),
                  dscale.element_count() ? dscale.untyped_data() : nullptr,
                  dbias.element_count() ? dbias.untyped_data() : nullptr,
-                 rows, cols, rms, static_cast<float*>(work.untyped_data()), work_rows};
+                 rows, cols, rms, static_cast<float*>(work.untyped_data()), work_rows},
+                    dh.element_count() ? dh.untyped_data() : nullptr};
 }
 
 // Parameter dtype of the backward: scale's, else dbias's, else float32.
@@ -126,13 +148,19 @@ ffi::DataType bwd_param_dtype(const ffi::AnyBuffer& scale, const ffi::AnyBuffer&
 // ------------------------------------------------------------------- CPU ---
 
 template <typename T, typename P>
-void fwd_cpu(const FwdArgs& a) {
+void fwd_cpu(const FwdAddArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   const P* scale = static_cast<const P*>(a.scale);
   const P* bias = static_cast<const P*>(a.bias);
   for (int64_t r = 0; r < a.rows; ++r) {
     const T* xr = x + r * a.cols;
+    if (a.residual) {  // add+norm: write h = x + residual, then normalize h
+      const T* res = static_cast<const T*>(a.residual) + r * a.cols;
+      T* hr = static_cast<T*>(a.h) + r * a.cols;
+      for (int64_t c = 0; c < a.cols; ++c) hr[c] = add_rounded(xr[c], res[c]);
+      xr = hr;
+    }
     NormAcc acc;
     for (int64_t c = 0; c < a.cols; ++c) acc.add(to_float(xr[c]), a.rms);
     const RowStats st = finish_stats(acc, a.cols, a.eps, a.rms);
@@ -147,7 +175,7 @@ void fwd_cpu(const FwdArgs& a) {
 }
 
 template <typename T, typename P>
-void bwd_cpu(const BwdArgs& a) {
+void bwd_cpu(const BwdAddArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   T* dx = static_cast<T*>(a.dx);
@@ -168,7 +196,9 @@ void bwd_cpu(const BwdArgs& a) {
       if (a.dbias) db[c] += d;
     }
     const float mg = a.rms ? 0.f : sum_g * inv_n, mgx = sum_gx * inv_n;
-    for (int64_t c = 0; c < a.cols; ++c) dx[r * a.cols + c] = from_float<T>(norm_dx(g[c], xh[c], rstd, mg, mgx));
+    const T* dh = a.dh ? static_cast<const T*>(a.dh) + r * a.cols : nullptr;
+    for (int64_t c = 0; c < a.cols; ++c)
+      dx[r * a.cols + c] = from_float<T>(norm_dx(g[c], xh[c], rstd, mg, mgx) + (dh ? to_float(dh[c]) : 0.f));
   }
   for (int64_t c = 0; c < int64_t(ds.size()); ++c) static_cast<P*>(a.dscale)[c] = from_float<P>(float(ds[c]));
   for (int64_t c = 0; c < int64_t(db.size()); ++c) static_cast<P*>(a.dbias)[c] = from_float<P>(float(db[c]));
@@ -177,9 +207,10 @@ void bwd_cpu(const BwdArgs& a) {
 // Checks the operands, then calls run(T{}, P{}, args) with the storage types of x and
 // of the parameters: the CPU and CUDA handlers differ only in `run`.
 template <typename Run>
-ffi::Error with_fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::AnyBuffer y,
-                         ffi::AnyBuffer mean, ffi::AnyBuffer rstd, float epsilon, bool rms, Run&& run) {
-  auto args = fwd_args(x, scale, bias, y, mean, rstd, epsilon, rms);
+ffi::Error with_fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                         ffi::AnyBuffer y, ffi::AnyBuffer h, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                         float epsilon, bool rms, Run&& run) {
+  auto args = fwd_args(x, residual, scale, bias, y, h, mean, rstd, epsilon, rms);
   if (args.has_error()) return args.error();
   auto pt = param_dtype(scale, bias);
   if (pt.has_error()) return pt.error();
@@ -187,30 +218,32 @@ ffi::Error with_fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer 
 }
 
 template <typename Run>
-ffi::Error with_bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                         ffi::AnyBuffer scale, ffi::AnyBuffer dx, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
-                         ffi::AnyBuffer work, bool rms, Run&& run) {
-  auto args = bwd_args(dy, x, mean, rstd, scale, dx, dscale, dbias, work, rms);
+ffi::Error with_bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                         ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer dx, ffi::AnyBuffer dscale,
+                         ffi::AnyBuffer dbias, ffi::AnyBuffer work, bool rms, Run&& run) {
+  auto args = bwd_args(dy, dh, x, mean, rstd, scale, dx, dscale, dbias, work, rms);
   if (args.has_error()) return args.error();
   return dispatch_act_param(x.element_type(), bwd_param_dtype(scale, dbias),
                             [&](auto t, auto p) { return run(t, p, args.value()); });
 }
 
-ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                      ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
-  return with_fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms, [](auto t, auto p, const FwdArgs& a) {
-    fwd_cpu<decltype(t), decltype(p)>(a);
-    return ffi::Error::Success();
-  });
+ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
+                      ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd, float epsilon,
+                      bool rms) {
+  return with_fwd_args(x, residual, scale, bias, *y, *h, *mean, *rstd, epsilon, rms,
+                       [](auto t, auto p, const FwdAddArgs& a) {
+                         fwd_cpu<decltype(t), decltype(p)>(a);
+                         return ffi::Error::Success();
+                       });
 }
 
-ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
-                      ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
+ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                      ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
                       ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
                       ffi::Result<ffi::AnyBuffer> work, bool rms) {
-  return with_bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms,
-                       [](auto t, auto p, const BwdArgs& a) {
+  return with_bwd_args(dy, dh, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms,
+                       [](auto t, auto p, const BwdAddArgs& a) {
                          bwd_cpu<decltype(t), decltype(p)>(a);
                          return ffi::Error::Success();
                        });
@@ -219,20 +252,22 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, 
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
 
-ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
-                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> mean,
-                       ffi::Result<ffi::AnyBuffer> rstd, float epsilon, bool rms) {
-  return with_fwd_args(x, scale, bias, *y, *mean, *rstd, epsilon, rms, [stream](auto t, auto p, const FwdArgs& a) {
-    return cuda_status(launch_fwd<decltype(t), decltype(p)>(a, stream), "jax_ops_norm_fwd");
-  });
+ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer scale,
+                       ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
+                       ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> rstd, float epsilon,
+                       bool rms) {
+  return with_fwd_args(x, residual, scale, bias, *y, *h, *mean, *rstd, epsilon, rms,
+                       [stream](auto t, auto p, const FwdAddArgs& a) {
+                         return cuda_status(launch_fwd<decltype(t), decltype(p)>(a, stream), "jax_ops_norm_fwd");
+                       });
 }
 
-ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean,
-                       ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> dx,
-                       ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
-                       ffi::Result<ffi::AnyBuffer> work, bool rms) {
-  return with_bwd_args(dy, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms,
-                       [stream](auto t, auto p, const BwdArgs& a) {
+ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x,
+                       ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> work, bool rms) {
+  return with_bwd_args(dy, dh, x, mean, rstd, scale, *dx, *dscale, *dbias, *work, rms,
+                       [stream](auto t, auto p, const BwdAddArgs& a) {
                          return cuda_status(launch_bwd<decltype(t), decltype(p)>(a, stream), "jax_ops_norm_bwd");
                        });
 }
@@ -243,14 +278,16 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
 
 namespace ffi = xla::ffi;
 
+// fwd: x, residual, scale, bias -> y, h, mean, rstd
 #define JO_NORM_FWD_SIGNATURE(bind)                                                           \
-  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()                      \
-      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                      \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
       .Attr<float>("epsilon").Attr<bool>("rms")
+// bwd: dy, dh, x, mean, rstd, scale -> dx, dscale, dbias, workspace
 #define JO_NORM_BWD_SIGNATURE(bind)                                                           \
   bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
-      .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
-      .Ret<ffi::AnyBuffer>().Attr<bool>("rms")
+      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<bool>("rms")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCpu, jax_ops::norm::NormFwdCpu, JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCpu, jax_ops::norm::NormBwdCpu, JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind()));

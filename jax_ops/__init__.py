@@ -9,7 +9,7 @@ from jax_ops import _extension
 from jax_ops.core.calls import explain
 from jax_ops.core.registry import (implementations, register_implementation,
                                    unregister_implementation, use)
-from jax_ops.ops.layer_norm import layer_norm, rms_norm
+from jax_ops.ops.layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from jax_ops.ops.softmax import log_softmax, softmax
 from jax_ops.ops.relu import add_relu, relu
 from jax_ops.ops.batch_norm import batch_norm_add_relu, batch_norm_relu
@@ -20,8 +20,8 @@ from jax_ops.fx import optimize  # also binds the jax_ops.fx subpackage
 #: the built-in implementations every op has
 IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 
-__all__ = ["layer_norm", "rms_norm", "softmax", "log_softmax", "relu", "add_relu",
-           "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
+__all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "softmax", "log_softmax",
+           "relu", "add_relu", "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
            "with_cuda", "export", "disabled_checks", "custom_call_targets", "fx", "optimize"]
 

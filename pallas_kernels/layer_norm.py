@@ -4,7 +4,8 @@ Layout: x is (rows, cols); one program owns `block_rows` whole rows, held in
 registers as a (block_rows, next_pow2(cols)) tile (Triton tiles must have
 power-of-two sides, so the column tail and the last row block are masked).
 Statistics are two-pass over the on-chip tile (mean, then mean of squared
-deviations), in float32.
+deviations), in float32. add+norm: the forward also reads a residual, writes
+h = x + residual (rounded to x's dtype) and normalizes h; the backward adds dh to dx.
 
 Backward: `programs` programs each walk a contiguous range of row blocks,
 write dx, and keep running float32 sums of dy*xhat and dy per column in
@@ -58,12 +59,15 @@ def candidate_configs(rows: int, cols: int, stage: str) -> list[dict]:
 
 # ---------------------------------------------------------------- forward ---
 
-def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, with_stats):
+def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, with_stats, add,
+                interpret):
     it = iter(refs)
     x_ref = next(it)
+    r_ref = next(it) if add else None
     s_ref = next(it) if has_scale else None
     b_ref = next(it) if has_bias else None
     y_ref = next(it)
+    h_ref = next(it) if add else None
     mean_ref = next(it) if (with_stats and not rms) else None
     rstd_ref = next(it) if with_stats else None
 
@@ -74,7 +78,17 @@ def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, wi
     ok = row_ok[:, None] & col_ok[None, :]
     tile = (pl.ds(row0, block_rows), pl.ds(0, cp))
 
-    x = plgpu.load(x_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
+    x = plgpu.load(x_ref.at[tile], mask=ok, other=0.0)
+    if add:  # h = x + residual in x's dtype (rounded once), stored, then normalized
+        h = x + plgpu.load(r_ref.at[tile], mask=ok, other=0.0)
+        plgpu.store(h_ref.at[tile], h, mask=ok)
+        x = h.astype(jnp.float32)
+        if interpret and h.dtype != jnp.float32:
+            # Interpreted, the kernel is XLA code, whose excess precision would drop h's
+            # rounding before the float32 math (Triton keeps it).
+            fi = jnp.finfo(h.dtype)
+            x = jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    x = x.astype(jnp.float32)
     if rms:
         mean = None
         d = x
@@ -94,36 +108,45 @@ def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, wi
         plgpu.store(rstd_ref.at[pl.ds(row0, block_rows)], rstd, mask=row_ok)
 
 
-def norm_fwd(x, scale, bias, *, epsilon: float, rms: bool, with_stats: bool,
+def norm_fwd(x, scale, bias, *, epsilon: float, rms: bool, with_stats: bool, residual=None,
              config: dict | None = None, interpret: bool = False):
-    """x: (rows, cols); scale/bias: (cols,) or None. Returns (y, mean|None, rstd|None)."""
+    """x: (rows, cols); scale/bias: (cols,) or None; residual: like x or None.
+
+    Returns (y, h|None, mean|None, rstd|None); h = x + residual, normalized instead of x."""
     rows, cols = x.shape
     cfg = config or default_config(rows, cols, "fwd")
     block_rows = cfg["block_rows"]
     kernel = functools.partial(
         _fwd_kernel, rows=rows, cols=cols, block_rows=block_rows, eps=float(epsilon), rms=rms,
-        has_scale=scale is not None, has_bias=bias is not None, with_stats=with_stats)
-    out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)]
+        has_scale=scale is not None, has_bias=bias is not None, with_stats=with_stats,
+        add=residual is not None, interpret=bool(interpret))
+    out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)] * (1 if residual is None else 2)
     if with_stats and not rms:
         out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
     if with_stats:
         out_shape.append(jax.ShapeDtypeStruct((rows,), jnp.float32))
-    operands = [a for a in (x, scale, bias) if a is not None]
+    operands = [a for a in (x, residual, scale, bias) if a is not None]
+    prefix = "jax_ops_add_" if residual is not None else "jax_ops_"
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(rows, block_rows),),
         compiler_params=compiler_params(cfg["num_warps"]), interpret=interpret,
-        name="jax_ops_rms_norm_fwd" if rms else "jax_ops_layer_norm_fwd")(*operands)
+        name=prefix + ("rms_norm_fwd" if rms else "layer_norm_fwd"))(*operands)
     y = outs[0]
-    mean = outs[1] if (with_stats and not rms) else None
-    rstd = outs[-1] if with_stats else None
-    return y, mean, rstd
+    h = None if residual is None else outs[1]
+    stats = outs[1 if residual is None else 2:]
+    mean = stats[0] if (with_stats and not rms) else None
+    rstd = stats[-1] if with_stats else None
+    return y, h, mean, rstd
 
 
 # --------------------------------------------------------------- backward ---
 
-def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scale, param_grads):
+def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scale, param_grads,
+                has_dh):
     it = iter(refs)
-    dy_ref, x_ref = next(it), next(it)
+    dy_ref = next(it)
+    dh_ref = next(it) if has_dh else None
+    x_ref = next(it)
     mean_ref = None if rms else next(it)
     rstd_ref = next(it)
     s_ref = next(it) if has_scale else None
@@ -158,6 +181,8 @@ def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scal
         if not rms:
             dx = dx - (jnp.sum(g, axis=1) / cols)[:, None]
         dx = dx * rstd[:, None]
+        if has_dh:  # add+norm: h's cotangent flows into dx unchanged
+            dx = dx + plgpu.load(dh_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
         plgpu.store(dx_ref.at[tile], dx.astype(dx_ref.dtype), mask=ok)
         if param_grads:
             acc_s, acc_b = acc
@@ -177,9 +202,10 @@ def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scal
         jax.lax.fori_loop(0, blocks_per_program, block, 0)
 
 
-def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...],
+def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...], dh=None,
              config: dict | None = None, interpret: bool = False):
-    """dy, x: (rows, cols); mean (LayerNorm only), rstd: (rows,) float32; scale: (cols,) or None.
+    """dy, x: (rows, cols); mean (LayerNorm only), rstd: (rows,) float32; scale: (cols,) or None;
+    dh: like dy or None (add+norm: added to dx; x is then h).
 
     work_shape: the primitive's [2, P, cols] workspace, or (0,) when no parameter
     gradients are wanted. Returns (dx, dscale_f32|None, dbias_f32|None, work).
@@ -198,15 +224,17 @@ def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...]
     kernel = functools.partial(
         _bwd_kernel, rows=rows, cols=cols, block_rows=block_rows,
         blocks_per_program=blocks_per_program, rms=rms, has_scale=scale is not None,
-        param_grads=param_grads)
+        param_grads=param_grads, has_dh=dh is not None)
     out_shape = [jax.ShapeDtypeStruct((rows, cols), x.dtype)]
     if param_grads:  # only rows [0, programs) of the workspace are written and read
         out_shape.append(jax.ShapeDtypeStruct(work_shape, jnp.float32))
-    operands = [dy, x] + ([] if rms else [mean]) + [rstd] + ([] if scale is None else [scale])
+    operands = ([dy] + ([] if dh is None else [dh]) + [x] + ([] if rms else [mean]) + [rstd]
+                + ([] if scale is None else [scale]))
+    prefix = "jax_ops_add_" if dh is not None else "jax_ops_"
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(programs,),
         compiler_params=compiler_params(cfg["num_warps"]), interpret=interpret,
-        name="jax_ops_rms_norm_bwd" if rms else "jax_ops_layer_norm_bwd")(*operands)
+        name=prefix + ("rms_norm_bwd" if rms else "layer_norm_bwd"))(*operands)
     if not param_grads:
         return outs[0], None, None, None
     work = outs[1]

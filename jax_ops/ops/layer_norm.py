@@ -1,12 +1,18 @@
-"""LayerNorm and RMSNorm over the last axis: the declaration (core/op.py).
+"""LayerNorm and RMSNorm over the last axis, plain or fused with a residual add:
+the declaration (core/op.py) of layer_norm, rms_norm, add_layer_norm, add_rms_norm.
 
-Forward stage  jax_ops_norm_fwd(x, scale?, bias?) -> (y, mean?, rstd?)
-Backward stage jax_ops_norm_bwd(dy, x, mean?, rstd, scale?) -> (dx, dscale?, dbias?)
+Forward stage  jax_ops_norm_fwd(x, residual?, scale?, bias?) -> (y, h?, mean?, rstd?)
+Backward stage jax_ops_norm_bwd(dy, dh?, x, mean?, rstd, scale?) -> (dx, dscale?, dbias?)
 
-Absent operands/results (no scale, no bias, statistics not wanted, RMSNorm's mean)
-are not bound. Statistics and arithmetic are float32; y and dx take x's dtype,
-dscale/dbias their parameter's dtype. Reverse mode keeps x, float32 mean/rstd per row
-and the parameters; the CUDA backward gets a float32 workspace for its per-block
+Absent operands/results (no residual, no scale, no bias, statistics not wanted,
+RMSNorm's mean) are not bound. With a residual (add+norm) the forward also returns
+h = x + residual rounded to x's dtype and normalizes h; the backward's x is then h and
+dx = norm_backward(dy, h) + dh (dh: h's cotangent; the gradient of x and of residual).
+Which op a call is: `present` (the framework's operand-presence param): residual (fwd)
+or dh (bwd) present -> add_*; a backward without dh is the plain norm's.
+Statistics and arithmetic are float32; y, h and dx take x's dtype, dscale/dbias their
+parameter's dtype. Reverse mode keeps x (h for add+norm), float32 mean/rstd per row and
+the parameters; the CUDA backward gets a float32 workspace for its per-block
 dscale/dbias partials (XLA allocates it and drops it right after).
 """
 from __future__ import annotations
@@ -60,17 +66,33 @@ def check_inputs(op: str, x, scale, bias, epsilon=None) -> None:
             raise ValueError(f"jax_ops.{op}: epsilon must be finite and >= 0; got {epsilon}")
 
 
+def check_residual(op: str, x, residual) -> None:
+    """add+norm: residual must have x's shape and dtype (after check_inputs on x)."""
+    if tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype:
+        raise ValueError(f"jax_ops.{op}: residual must have x's shape {tuple(x.shape)} and dtype "
+                         f"{_fmt_dtype(x.dtype)}; got shape {tuple(residual.shape)} and dtype "
+                         f"{_fmt_dtype(residual.dtype)}")
+
+
 def _stat_shape(x):
     return x.shape[:-1]
 
 
+def _name(rms, add) -> str:
+    return ("add_" if add else "") + ("rms_norm" if rms else "layer_norm")
+
+
 # ---------------------------------------------------------------- forward ---
 
-def _fwd_abstract(x, scale, bias, *, epsilon, rms, with_stats):
-    op = "rms_norm" if rms else "layer_norm"
+def _fwd_abstract(x, residual, scale, bias, *, epsilon, rms, with_stats):
+    op = _name(rms, residual is not None)
     check_inputs(op, x, scale, bias)
+    h = None
+    if residual is not None:
+        check_residual(op, x, residual)
+        h = core.ShapedArray(x.shape, x.dtype)
     stat = core.ShapedArray(_stat_shape(x), _F32) if with_stats else None
-    return core.ShapedArray(x.shape, x.dtype), (None if rms else stat), stat
+    return core.ShapedArray(x.shape, x.dtype), h, (None if rms else stat), stat
 
 
 def _row_sums(*arrays):
@@ -78,10 +100,36 @@ def _row_sums(*arrays):
     return tuple(jnp.sum(a, axis=-1) for a in arrays)
 
 
-def _fwd_reference(x, scale, bias, *, epsilon, rms, with_stats, row_sums=_row_sums, cols=None):
+def _f32(a):
+    """a as float32, keeping a 16-bit a's rounding. XLA's excess precision
+    (xla_allow_excess_precision, on by default) drops the rounding of a 16-bit value
+    computed in float32 and used as float32 again — add+norm's h, within the forward
+    and where the backward fuses with it; reduce_precision (exact on 16-bit values, so
+    a no-op otherwise) keeps it. Subnormals flush to zero there: far below y's and dx's
+    precision."""
+    f = a.astype(jnp.float32)
+    if a.dtype != jnp.float32:
+        fi = jnp.finfo(a.dtype)
+        f = jax.lax.reduce_precision(f, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return f
+
+
+def add_rounded(x, residual):
+    """h = x + residual in x's dtype (jnp's sum, rounded once) and h as float32."""
+    h = x + residual
+    return h, _f32(h)
+
+
+def _fwd_reference(x, residual, scale, bias, *, epsilon, rms, with_stats, row_sums=_row_sums,
+                   cols=None):
     """row_sums/cols: the sums over whole rows and the row length, when x holds only
     some of each row's columns (the normalized axis sharded: the sums are psum'ed)."""
-    xf = x.astype(jnp.float32)
+    h = None
+    if residual is not None:  # add+norm: the sum rounded once to x's dtype, then normalized
+        h, xf = add_rounded(x, residual)
+        x = h
+    else:
+        xf = x.astype(jnp.float32)
     cols = x.shape[-1] if cols is None else cols
     if rms:
         mean = jnp.zeros(_stat_shape(x), jnp.float32)
@@ -97,37 +145,50 @@ def _fwd_reference(x, scale, bias, *, epsilon, rms, with_stats, row_sums=_row_su
         y = y * scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return (y.astype(x.dtype), mean if (with_stats and not rms) else None,
+    return (y.astype(x.dtype), h, mean if (with_stats and not rms) else None,
             rstd if with_stats else None)
 
 
+def _batch_front(args, dims):
+    """The batch axis of each row operand moved to the front; unbatched ones (an
+    unbatched x or residual beside a batched one) broadcast to it."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if a is not None and d is not None)
+    return lambda a, d: (None if a is None else jnp.moveaxis(a, d, 0) if d is not None
+                         else jnp.broadcast_to(a, (size,) + a.shape))
+
+
 def _fwd_batch(stage, args, dims, **params):
-    x, scale, bias = args
-    xd, sd, bd = dims
+    x, residual, scale, bias = args
+    xd, rd, sd, bd = dims
     if sd is not None or bd is not None:  # per-example parameters: rows cannot be folded
         return vmap_reference(stage, args, dims, **params)
     # A batched x is just more leading (row) axes: move the batch axis to the front.
-    outs = stage.call(jnp.moveaxis(x, xd, 0), scale, bias, **params)
+    front = _batch_front(args, dims)
+    outs = stage.call(front(x, xd), front(residual, rd), scale, bias, **params)
     return outs, [None if o is None else 0 for o in outs]
 
 
-def _op_of(params) -> str:
-    return "rms_norm" if params["rms"] else "layer_norm"
+def _fwd_op_of(params) -> str:  # operands: x, residual?, scale?, bias?
+    return _name(params["rms"], params["present"][1])
+
+
+def _bwd_op_of(params) -> str:  # operands: dy, dh?, x, mean?, rstd, scale?
+    return _name(params["rms"], params["present"][1])
 
 
 def _hidden_sharded(layout, params):
     return bool(layout.col_axes)
 
 
-def _fwd_local(layout, mesh, x, scale, bias, **params):
+def _fwd_local(layout, mesh, x, residual, scale, bias, **params):
     """Per device, the normalized axis sharded: per-row partial sums psum'ed over the
     column axes (O(rows) data), then the local columns normalized (jnp)."""
     def row_sums(*a):
         return jax.lax.psum(_row_sums(*a), layout.col_axes)
-    return _fwd_reference(x, scale, bias, row_sums=row_sums, cols=layout.shape[-1], **params)
+    return _fwd_reference(x, residual, scale, bias, row_sums=row_sums, cols=layout.shape[-1], **params)
 
 
-def _bwd_local(layout, mesh, dy, x, mean, rstd, scale, **params):
+def _bwd_local(layout, mesh, dy, dh, x, mean, rstd, scale, **params):
     """Per device, the normalized axis sharded: Σg·x̂ and Σg per row psum'ed over the
     column axes (one collective), dscale/dbias psum'ed over the row axes."""
     rows = tuple(range(x.ndim - 1))
@@ -138,7 +199,7 @@ def _bwd_local(layout, mesh, dy, x, mean, rstd, scale, **params):
     def col_sums(a):
         s = jnp.sum(a, axis=rows)
         return jax.lax.psum(s, layout.row_axes) if layout.row_axes else s
-    return _bwd_reference(dy, x, mean, rstd, scale, row_sums=row_sums, cols=layout.shape[-1],
+    return _bwd_reference(dy, dh, x, mean, rstd, scale, row_sums=row_sums, cols=layout.shape[-1],
                           col_sums=col_sums, **params)
 
 
@@ -160,10 +221,11 @@ def workspace_shape(x_shape, want_param_grads: bool) -> tuple[int, ...]:
     return (2, max(1, p), cols)
 
 
-def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
-    if dy.shape != x.shape or dy.dtype != x.dtype:
-        raise ValueError(f"jax_ops norm backward: dy must match x; got dy {dy.shape} "
-                         f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
+def _bwd_abstract(dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
+    for name, d in (("dy", dy), ("dh", dh)):
+        if d is not None and (d.shape != x.shape or d.dtype != x.dtype):
+            raise ValueError(f"jax_ops norm backward: {name} must match x; got {name} {d.shape} "
+                             f"{_fmt_dtype(d.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"jax_ops norm backward: x must have a last axis of size >= 1; got shape {x.shape}")
     cols = x.shape[-1]
@@ -175,11 +237,12 @@ def _bwd_abstract(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
     return core.ShapedArray(x.shape, x.dtype), dscale, dbias
 
 
-def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype,
+def _bwd_reference(dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype,
                    row_sums=_row_sums, cols=None, col_sums=None):
     """row_sums/cols as in _fwd_reference; col_sums(a): a's sum over all rows (psum'ed
-    over the devices holding other rows when the rows are sharded)."""
-    xf, dyf = x.astype(jnp.float32), dy.astype(jnp.float32)
+    over the devices holding other rows when the rows are sharded). add+norm: x is h,
+    and dh is added to dx (in float32, rounded once)."""
+    xf, dyf = _f32(x), dy.astype(jnp.float32)
     cols = x.shape[-1] if cols is None else cols
     mean = 0.0 if rms else mean[..., None]
     xhat = (xf - mean) * rstd[..., None]
@@ -192,6 +255,8 @@ def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype,
         mean_g = (sg / cols)[..., None]
     mean_gx = (sgx / cols)[..., None]
     dx = rstd[..., None] * (g - mean_g - xhat * mean_gx)
+    if dh is not None:
+        dx = dx + dh.astype(jnp.float32)
     rows = tuple(range(x.ndim - 1))
     if col_sums is None:
         col_sums = lambda a: jnp.sum(a, axis=rows)  # noqa: E731
@@ -201,27 +266,23 @@ def _bwd_reference(dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype,
 
 
 def _bwd_batch(stage, args, dims, **params):
-    dy, x, mean, rstd, scale = args
-    if dims[4] is not None:  # per-example scale
+    dy, dh, x, mean, rstd, scale = args
+    if dims[5] is not None:  # per-example scale
         return vmap_reference(stage, args, dims, **params)
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-
-    def front(a, d):  # batch axis first; unbatched row operands broadcast to it
-        return jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
-
-    dy, x, rstd = front(dy, dims[0]), front(x, dims[1]), front(rstd, dims[3])
+    front = _batch_front(args, dims)  # batch axis first; unbatched row operands broadcast
+    dy, dh, x, rstd = front(dy, dims[0]), front(dh, dims[1]), front(x, dims[2]), front(rstd, dims[4])
     if not params["rms"]:
-        mean = front(mean, dims[2])
+        mean = front(mean, dims[3])
     # dx: batch folded into rows. dscale/dbias are per example under vmap, so
     # they are summed per batch element here instead of over all rows.
-    dx, _, _ = stage.call(dy, x, mean, rstd, scale, rms=params["rms"], dscale_dtype=None,
+    dx, _, _ = stage.call(dy, dh, x, mean, rstd, scale, rms=params["rms"], dscale_dtype=None,
                           dbias_dtype=None, implementation=params["implementation"])
     rows = tuple(range(1, x.ndim - 1))
     dyf = dy.astype(jnp.float32)
     dscale = dbias = None
     if params["dscale_dtype"]:
         m = 0.0 if params["rms"] else mean[..., None]
-        xhat = (x.astype(jnp.float32) - m) * rstd[..., None]
+        xhat = (_f32(x) - m) * rstd[..., None]
         dscale = jnp.sum(dyf * xhat, axis=rows).astype(params["dscale_dtype"])
     if params["dbias_dtype"]:
         dbias = jnp.sum(dyf, axis=rows).astype(params["dbias_dtype"])
@@ -234,29 +295,31 @@ def _rows_cols(shape):
     return int(np.prod(shape[:-1], dtype=np.int64)), shape[-1]
 
 
-def _pallas_fwd(call, x, scale, bias, *, epsilon, rms, with_stats):
+def _pallas_fwd(call, x, residual, scale, bias, *, epsilon, rms, with_stats):
     rows, cols = _rows_cols(x.shape)
-    y, mean, rstd = pallas_norm.norm_fwd(
+    y, h, mean, rstd = pallas_norm.norm_fwd(
         x.reshape(rows, cols), scale, bias, epsilon=epsilon, rms=rms, with_stats=with_stats,
+        residual=None if residual is None else residual.reshape(rows, cols),
         config=call.config, interpret=call.interpret)
     stat = x.shape[:-1]
-    return (y.reshape(x.shape), None if mean is None else mean.reshape(stat),
-            None if rstd is None else rstd.reshape(stat))
+    return (y.reshape(x.shape), None if h is None else h.reshape(x.shape),
+            None if mean is None else mean.reshape(stat), None if rstd is None else rstd.reshape(stat))
 
 
-def _pallas_bwd(call, dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
+def _pallas_bwd(call, dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
     rows, cols = _rows_cols(x.shape)
     ws = workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype))
     dx, dscale, dbias, _ = pallas_norm.norm_bwd(
         dy.reshape(rows, cols), x.reshape(rows, cols), None if rms else mean.reshape(rows),
-        rstd.reshape(rows), scale, rms=rms, work_shape=ws, config=call.config,
+        rstd.reshape(rows), scale, rms=rms, work_shape=ws,
+        dh=None if dh is None else dh.reshape(rows, cols), config=call.config,
         interpret=call.interpret)
     return (dx.reshape(x.shape), dscale.astype(dscale_dtype) if dscale_dtype else None,
             dbias.astype(dbias_dtype) if dbias_dtype else None)
 
 
 def _workspace(call, operands, params):
-    x = operands[1]
+    x = operands[2]
     return core.ShapedArray(workspace_shape(x.shape, bool(params["dscale_dtype"] or params["dbias_dtype"])), _F32)
 
 
@@ -267,8 +330,13 @@ def _pallas_configs(q):
 def _user_adapter(fn, backward, tunable):
     """register_implementation's adapter (signatures in layer_norm's docstring):
     fn(x2d, scale[, bias], *, epsilon[, config]) -> y or (y[, mean], rstd);
-    backward(dy2d, x2d, mean | None, rstd, scale, [config]) -> (dx, dscale[, dbias])."""
-    def fwd(call, x, scale, bias, *, epsilon, rms, with_stats):
+    backward(dy2d, x2d, mean | None, rstd, scale, [config]) -> (dx, dscale[, dbias]).
+    add_layer_norm/add_rms_norm take the same plain-norm kernels: h = x + residual and
+    dx + dh are jnp around them."""
+    def fwd(call, x, residual, scale, bias, *, epsilon, rms, with_stats):
+        h = None
+        if residual is not None:
+            h = x = x + residual
         rows, cols = _rows_cols(x.shape)
         kw = {"config": call.config} if tunable else {}
         out = fn(x.reshape(rows, cols), *([scale] if rms else [scale, bias]), epsilon=epsilon, **kw)
@@ -277,18 +345,21 @@ def _user_adapter(fn, backward, tunable):
             mean = None if rms else jnp.asarray(out[1], jnp.float32).reshape(x.shape[:-1])
             rstd = jnp.asarray(out[-1], jnp.float32).reshape(x.shape[:-1])
         else:  # statistics by jnp where reverse mode needs them; XLA drops the unused y
-            _, mean, rstd = _fwd_reference(x, scale, bias, epsilon=epsilon, rms=rms,
-                                           with_stats=with_stats)
-        return jnp.asarray(y).astype(x.dtype).reshape(x.shape), mean, rstd
+            _, _, mean, rstd = _fwd_reference(x, None, scale, bias, epsilon=epsilon, rms=rms,
+                                              with_stats=with_stats)
+        return jnp.asarray(y).astype(x.dtype).reshape(x.shape), h, mean, rstd
 
-    def bwd(call, dy, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
+    def bwd(call, dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
         rows, cols = _rows_cols(x.shape)
         kw = {"config": call.config} if tunable else {}
         out = backward(dy.reshape(rows, cols), x.reshape(rows, cols),
                        None if rms else mean.reshape(rows), rstd.reshape(rows), scale, **kw)
         dx, dscale = out[0], out[1]
         dbias = None if rms else out[2]
-        return (jnp.asarray(dx).astype(x.dtype).reshape(x.shape),
+        dx = jnp.asarray(dx).reshape(x.shape)
+        if dh is not None:
+            dx = dx.astype(jnp.float32) + dh.astype(jnp.float32)
+        return (dx.astype(x.dtype),
                 jnp.asarray(dscale).astype(dscale_dtype) if dscale_dtype else None,
                 jnp.asarray(dbias).astype(dbias_dtype) if dbias_dtype else None)
 
@@ -297,34 +368,41 @@ def _user_adapter(fn, backward, tunable):
 
 # ----------------------------------------------------------- declaration ---
 
-FWD = Stage("norm_fwd", "fwd", ("x", "scale?", "bias?"), ("y", "mean?", "rstd?"),
-            op_of=_op_of, abstract=_fwd_abstract, reference=_fwd_reference, batch=_fwd_batch,
-            roles={"x": "x", "scale": "cols", "bias": "cols", "y": "x", "mean": "rows", "rstd": "rows"},
-            needs_local=_hidden_sharded, local=_fwd_local,
-            variant=lambda p: "stats" if p["with_stats"] else "")
-BWD = Stage("norm_bwd", "bwd", ("dy", "x", "mean?", "rstd", "scale?"), ("dx", "dscale?", "dbias?"),
-            op_of=_op_of, abstract=_bwd_abstract, reference=_bwd_reference, batch=_bwd_batch,
-            roles={"dy": "x", "x": "x", "mean": "rows", "rstd": "rows", "scale": "cols",
-                   "dx": "x", "dscale": "colsum", "dbias": "colsum"},
-            needs_local=_hidden_sharded, local=_bwd_local)
+NORM_FWD = Stage("norm_fwd", "fwd", ("x", "residual?", "scale?", "bias?"), ("y", "h?", "mean?", "rstd?"),
+                 op_of=_fwd_op_of, abstract=_fwd_abstract, reference=_fwd_reference, batch=_fwd_batch,
+                 roles={"x": "x", "residual": "x", "scale": "cols", "bias": "cols", "y": "x", "h": "x",
+                        "mean": "rows", "rstd": "rows"},
+                 needs_local=_hidden_sharded, local=_fwd_local,
+                 variant=lambda p: "stats" if p["with_stats"] else "")
+NORM_BWD = Stage("norm_bwd", "bwd", ("dy", "dh?", "x", "mean?", "rstd", "scale?"), ("dx", "dscale?", "dbias?"),
+                 op_of=_bwd_op_of, abstract=_bwd_abstract, reference=_bwd_reference, batch=_bwd_batch,
+                 roles={"dy": "x", "dh": "x", "x": "x", "mean": "rows", "rstd": "rows", "scale": "cols",
+                        "dx": "x", "dscale": "colsum", "dbias": "colsum"},
+                 needs_local=_hidden_sharded, local=_bwd_local)
 
 
-def _residuals(ops, outs, params):
-    return ops["x"], outs["mean"], outs["rstd"], ops["scale"]
+def _residuals(ops, outs, params):  # add+norm keeps h, not x and residual
+    x = ops["x"] if ops["residual"] is None else outs["h"]
+    return x, outs["mean"], outs["rstd"], ops["scale"]
 
 
 def _backward(res, cts, wanted, params, in_avals):
-    x, mean, rstd, scale = res
+    x, mean, rstd, scale = res  # x is h for add+norm
+    dy, dh = cts["y"], cts.get("h")
     dtype = {n: (in_avals[n].dtype if n in wanted else None) for n in ("scale", "bias")}
-    dx, dscale, dbias = BWD.call(cts["y"], x, mean, rstd, scale, rms=params["rms"],
-                                 dscale_dtype=dtype["scale"], dbias_dtype=dtype["bias"],
-                                 implementation=params["implementation"])
-    return {"x": dx, "scale": dscale, "bias": dbias}
+    if dy is None:  # only h is used: its cotangent is x's and residual's, nothing to normalize
+        dx = dh
+        dscale, dbias = (None if d is None else jnp.zeros(x.shape[-1:], d) for d in dtype.values())
+    else:
+        dx, dscale, dbias = NORM_BWD.call(dy, dh, x, mean, rstd, scale, rms=params["rms"],
+                                          dscale_dtype=dtype["scale"], dbias_dtype=dtype["bias"],
+                                          implementation=params["implementation"])
+    return {"x": dx, "residual": dx, "scale": dscale, "bias": dbias}
 
 
 NORM = Op(
-    ("layer_norm", "rms_norm"), FWD, BWD,
-    outputs=lambda p: ("y",), train=lambda p: dict(p, with_stats=True),
+    ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"), NORM_FWD, NORM_BWD,
+    outputs=lambda p: ("y", "h"), train=lambda p: dict(p, with_stats=True),
     residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
     impls={
         "cuda": Impl({"fwd": ffi("jax_ops_norm_fwd",
@@ -339,15 +417,41 @@ NORM = Op(
     })
 
 
+class _PlainView:
+    """A stage as the plain norms bind it: the add+norm operands (`drop`, passed as
+    absent) left out of its operand list and results (direct binds: tests, tools)."""
+
+    def __init__(self, stage: Stage, drop_operands: tuple[str, ...], drop_results: tuple[str, ...]):
+        self.stage, self._ops, self._res = stage, drop_operands, drop_results
+
+    def call(self, *operands, **params):
+        it = iter(operands)
+        outs = self.stage.call(*(None if n in self._ops else next(it) for n in self.stage.operands),
+                               **params)
+        return tuple(o for o, n in zip(outs, self.stage.results) if n not in self._res)
+
+    def __getattr__(self, name):
+        return getattr(self.stage, name)
+
+
+#: the plain norms' view of the stages: FWD.call(x, scale, bias) -> (y, mean, rstd),
+#: BWD.call(dy, x, mean, rstd, scale) -> (dx, dscale, dbias)
+FWD = _PlainView(NORM_FWD, ("residual",), ("h",))
+BWD = _PlainView(NORM_BWD, ("dh",), ())
+
+
 # ------------------------------------------------------------- public API ---
 
-def _prepare(op, x, scale, bias, epsilon, implementation):
+def _prepare(op, x, scale, bias, epsilon, implementation, residual=None):
     registry.check_name(op, implementation)
     x = jnp.asarray(x)
     scale = None if scale is None else jnp.asarray(scale)
     bias = None if bias is None else jnp.asarray(bias)
     check_inputs(op, x, scale, bias, epsilon)
-    return x, scale, bias
+    if residual is not None:
+        residual = jnp.asarray(residual)
+        check_residual(op, x, residual)
+    return x, residual, scale, bias
 
 
 def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementation: str | None = None):
@@ -363,11 +467,11 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementatio
 
     Statistics and math run in float32; the result has x's dtype.
     """
-    x, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
+    x, _, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
     implementation = implementation or registry.override_for("layer_norm")
     x, scale, bias = match_vma(x, scale, bias)
-    return FWD.call(x, scale, bias, epsilon=float(epsilon), rms=False, with_stats=False,
-                    implementation=implementation)[0]
+    return NORM_FWD.call(x, None, scale, bias, epsilon=float(epsilon), rms=False, with_stats=False,
+                         implementation=implementation)[0]
 
 
 def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None = None):
@@ -375,8 +479,37 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None
 
     Same argument rules as `layer_norm` (no bias).
     """
-    x, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
+    x, _, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
     implementation = implementation or registry.override_for("rms_norm")
     x, scale = match_vma(x, scale)
-    return FWD.call(x, scale, None, epsilon=float(epsilon), rms=True, with_stats=False,
-                    implementation=implementation)[0]
+    return NORM_FWD.call(x, None, scale, None, epsilon=float(epsilon), rms=True, with_stats=False,
+                         implementation=implementation)[0]
+
+
+def _add_norm(op, x, residual, scale, bias, epsilon, implementation, rms):
+    x, residual, scale, bias = _prepare(op, x, scale, bias, epsilon, implementation, residual)
+    implementation = implementation or registry.override_for(op)
+    x, residual, scale, bias = match_vma(x, residual, scale, bias)
+    y, h, _, _ = NORM_FWD.call(x, residual, scale, bias, epsilon=float(epsilon), rms=rms,
+                               with_stats=False, implementation=implementation)
+    return y, h
+
+
+def add_layer_norm(x, residual, scale=None, bias=None, *, epsilon: float = 1e-5,
+                   implementation: str | None = None):
+    """Fused residual add + LayerNorm: h = x + residual, y = layer_norm(h, scale, bias).
+
+    Returns (y, h). h is the sum rounded once to x's dtype (exactly `x + residual`);
+    y normalizes that rounded h (float32 statistics and math, x's dtype). One kernel
+    reads x and residual once and writes h and y; the backward takes the cotangents of
+    both and computes dx = dresidual = layer_norm's dx at h + dh in one kernel.
+
+    Args: residual must have x's shape and dtype; the others as in `layer_norm`.
+    """
+    return _add_norm("add_layer_norm", x, residual, scale, bias, epsilon, implementation, rms=False)
+
+
+def add_rms_norm(x, residual, scale=None, *, epsilon: float = 1e-6, implementation: str | None = None):
+    """Fused residual add + RMSNorm: h = x + residual, y = rms_norm(h, scale); returns
+    (y, h). Same rules as `add_layer_norm` (no bias)."""
+    return _add_norm("add_rms_norm", x, residual, scale, None, epsilon, implementation, rms=True)
