@@ -45,4 +45,11 @@ NB_MODULE(_ffi, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  // The CUDA architectures the kernels were compiled for (CMake's CUDA_ARCHITECTURES,
+  // e.g. "80-real,90-real,90-virtual"); "" without CUDA or when the build didn't say.
+#ifdef JAX_OPS_CUDA_ARCHS
+  m.attr("cuda_archs") = JAX_OPS_CUDA_ARCHS;
+#else
+  m.attr("cuda_archs") = "";
+#endif
 }

@@ -1,14 +1,30 @@
 """Loads the compiled FFI extension (jax_ops._ffi) and registers its handlers with XLA."""
 from __future__ import annotations
 
+import warnings
+
 import jax
 
-try:  # the extension is optional: without it only the "xla" implementations exist
+
+class ExtensionImportWarning(UserWarning):
+    """`import jax_ops` could not load the compiled extension jax_ops._ffi. A UserWarning
+    subclass, so it is shown by default (ImportWarning is hidden by default)."""
+
+
+try:  # the extension is optional: without it the "cuda" implementations are missing
     from jax_ops import _ffi  # type: ignore[attr-defined]
     IMPORT_ERROR: Exception | None = None
-except ImportError as e:  # pragma: no cover - exercised only on broken installs
+except ImportError as e:  # exercised by tests/test_info.py in a subprocess
     _ffi = None
     IMPORT_ERROR = e
+    # Loud, once (module import runs once): a broken build otherwise only shows up as
+    # slower "xla" picks or a ValueError on implementation="cuda".
+    warnings.warn(
+        f"jax_ops: the compiled extension jax_ops._ffi failed to import ({type(e).__name__}: "
+        f"{e}); the \"cuda\" implementations (our XLA FFI handlers) are unavailable, only "
+        "the \"xla\" implementations (and the \"pallas\" kernels, which do not need the "
+        "extension) are. `python -m jax_ops.info` shows the install.",
+        ExtensionImportWarning)
 
 # XLA platform name used at registration -> lowering platform name used by jax.
 _LOWERING_PLATFORM = {"cpu": "cpu", "CUDA": "cuda"}

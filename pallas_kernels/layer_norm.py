@@ -6,6 +6,8 @@ power-of-two sides, so the column tail and the last row block are masked).
 Statistics are two-pass over the on-chip tile (mean, then mean of squared
 deviations), in float32. add+norm: the forward also reads a residual, writes
 h = x + residual (rounded to x's dtype) and normalizes h; the backward adds dh to dx.
+The tile is addressed with index arrays (common.tile_index), not
+`pl.ds(0, next_pow2(cols))`: a static slice past the array's end is an error since jax 0.12.
 
 Backward: `programs` programs each walk a contiguous range of row blocks,
 write dx, and keep running float32 sums of dy*xhat and dy per column in
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (compiler_params, default_tile, next_pow2, tile_configs,
-                                   unique_configs)
+                                   tile_index, unique_configs)
 
 MAX_COLS = 32768  # one row of float32 sums per program: 64 values a thread at 16 warps
 
@@ -74,9 +76,10 @@ def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, wi
     cp = next_pow2(cols)
     row0 = pl.program_id(0) * block_rows
     row_ok = row0 + jnp.arange(block_rows) < rows
-    col_ok = jnp.arange(cp) < cols
+    col = jnp.arange(cp)  # the padded columns: an index array, masked (see common.tile_index)
+    col_ok = col < cols
     ok = row_ok[:, None] & col_ok[None, :]
-    tile = (pl.ds(row0, block_rows), pl.ds(0, cp))
+    tile = tile_index(row0, block_rows, cp)
 
     x = plgpu.load(x_ref.at[tile], mask=ok, other=0.0)
     if add:  # h = x + residual in x's dtype (rounded once), stored, then normalized
@@ -98,9 +101,9 @@ def _fwd_kernel(*refs, rows, cols, block_rows, eps, rms, has_scale, has_bias, wi
     rstd = jax.lax.rsqrt(jnp.sum(d * d, axis=1) / cols + eps)
     y = d * rstd[:, None]
     if has_scale:
-        y = y * plgpu.load(s_ref.at[pl.ds(0, cp)], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+        y = y * plgpu.load(s_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
     if has_bias:
-        y = y + plgpu.load(b_ref.at[pl.ds(0, cp)], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+        y = y + plgpu.load(b_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
     plgpu.store(y_ref.at[tile], y.astype(y_ref.dtype), mask=ok)
     if mean_ref is not None:
         plgpu.store(mean_ref.at[pl.ds(row0, block_rows)], mean, mask=row_ok)
@@ -154,17 +157,18 @@ def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scal
     work_ref = next(it) if param_grads else None
 
     cp = next_pow2(cols)
-    col_ok = jnp.arange(cp) < cols
+    col = jnp.arange(cp)  # index arrays, not pl.ds(0, cp): see common.tile_index
+    col_ok = col < cols
     scale = None
     if has_scale:
-        scale = plgpu.load(s_ref.at[pl.ds(0, cp)], mask=col_ok, other=0.0).astype(jnp.float32)
+        scale = plgpu.load(s_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)
     pid = pl.program_id(0)
 
     def block(i, acc):
         row0 = (pid * blocks_per_program + i) * block_rows
         row_ok = row0 + jnp.arange(block_rows) < rows
         ok = row_ok[:, None] & col_ok[None, :]
-        tile = (pl.ds(row0, block_rows), pl.ds(0, cp))
+        tile = tile_index(row0, block_rows, cp)
         rsl = pl.ds(row0, block_rows)
         x = plgpu.load(x_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
         dy = plgpu.load(dy_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
@@ -192,11 +196,14 @@ def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scal
     if param_grads:
         zeros = jnp.zeros((cp,), jnp.float32)
         acc_s, acc_b = jax.lax.fori_loop(0, blocks_per_program, block, (zeros, zeros))
-        # Unit slices, not integer indices: interpret mode can't discharge a store at a
-        # Python-int index. Row pid of work[0] gets the dy*xhat sums, of work[1] the dy sums.
+        # Row pid of work[0] gets the dy*xhat sums, of work[1] the dy sums. Index arrays of
+        # shape (1, 1, cp), not pl.ds(0, cp) (past the end: an error since jax 0.12) nor
+        # Python-int indices (interpret mode can't discharge a store at one).
         mask = col_ok[None, None, :]
         for i, acc in enumerate((acc_s, acc_b)):
-            plgpu.store(work_ref.at[pl.ds(i, 1), pl.ds(pid, 1), pl.ds(0, cp)], acc[None, None, :],
+            plane = jnp.full((1, 1, cp), i, jnp.int32)
+            prow = jnp.full((1, 1, cp), pid, jnp.int32)
+            plgpu.store(work_ref.at[plane, prow, col[None, None, :]], acc[None, None, :],
                         mask=mask)
     else:
         jax.lax.fori_loop(0, blocks_per_program, block, 0)

@@ -2,7 +2,9 @@
 
 Layout: x is (rows, cols), the softmax axis last; one program owns `block_rows`
 whole rows as a (block_rows, next_pow2(cols)) tile in registers, masked at the
-column tail and the last row block. Math in float32, one pass over HBM each way.
+column tail and the last row block (the tile is addressed with index arrays,
+common.tile_index: a static slice past the array's end is an error since jax 0.12).
+Math in float32, one pass over HBM each way.
 
 Masks: `mask` is (mask_rows, cols), bool (True = keep; read in place as PRED
 bytes, no conversion kernel) or floating (added to the scaled logits); row r of
@@ -24,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (compiler_params, default_tile, next_pow2, tile_configs,
-                                   unique_configs)
+                                   tile_index, unique_configs)
 
 MAX_COLS = 32768
 
@@ -58,7 +60,7 @@ def _fwd_kernel(*refs, rows, cols, block_rows, scale, log, causal, q_len, offset
     c = jnp.arange(cp)
     row_ok = r < rows
     ok = row_ok[:, None] & (c < cols)[None, :]
-    tile = (pl.ds(pl.program_id(0) * block_rows, block_rows), pl.ds(0, cp))
+    tile = tile_index(pl.program_id(0) * block_rows, block_rows, cp)  # masked by ok
 
     z = plgpu.load(x_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)
     if scale != 1.0:
@@ -117,7 +119,7 @@ def _bwd_kernel(y_ref, dy_ref, dx_ref, *, rows, cols, block_rows, scale, log):
     cp = next_pow2(cols)
     row0 = pl.program_id(0) * block_rows
     ok = (row0 + jnp.arange(block_rows) < rows)[:, None] & (jnp.arange(cp) < cols)[None, :]
-    tile = (pl.ds(row0, block_rows), pl.ds(0, cp))
+    tile = tile_index(row0, block_rows, cp)  # masked by ok
     # Padding reads as a masked element: y = 0 (softmax) or -inf (log_softmax).
     y = plgpu.load(y_ref.at[tile], mask=ok, other=-jnp.inf if log else 0.0).astype(jnp.float32)
     dy = plgpu.load(dy_ref.at[tile], mask=ok, other=0.0).astype(jnp.float32)

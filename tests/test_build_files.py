@@ -7,7 +7,7 @@ executed). Checked: the handler and module sources equal CMakeLists.txt's; the h
 libraries' headers cover cuda_src/ and ffi/*.h; the py_library targets cover every module
 and data file of pyproject.toml's wheel packages; every path, glob and local label in
 BUILD.bazel names something that exists; every external repository BUILD.bazel uses is
-declared in MODULE.bazel; the requirements lock pins what pyproject.toml pins.
+declared in MODULE.bazel; the requirements lock pins versions inside pyproject.toml's ranges.
 Not checked: that Bazel can fetch, analyze or build any of it."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "BUILD.bazel"
@@ -360,13 +361,9 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _pins(requirements: list[str]) -> dict[str, str | None]:
-    """{normalized name: pinned version or None} of requirement strings."""
-    out = {}
-    for req in requirements:
-        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(?:==\s*([^\s;,]+))?", req)
-        out[_normalize(m.group(1))] = m.group(2)
-    return out
+def _requirements(requirements: list[str]) -> dict[str, Requirement]:
+    """{normalized name: Requirement} of requirement strings."""
+    return {_normalize(r.name): r for r in map(Requirement, requirements)}
 
 
 def _lock() -> dict[str, str]:
@@ -379,21 +376,31 @@ def _lock() -> dict[str, str]:
 
 
 def test_requirements_lock_pins_match_pyproject():
+    """pyproject.toml gives ranges (jax/jaxlib >=0.11.2,<0.13, ...); the lock pins one
+    version of each, which must lie inside pyproject.toml's range, and jax and jaxlib
+    must be pinned to the same version."""
     lock = _lock()
     project = PYPROJECT["project"]
-    wanted = _pins(project["dependencies"])
-    assert wanted.get("jax") and wanted.get("jaxlib"), "pyproject.toml no longer pins jax and jaxlib"
+    wanted = _requirements(project["dependencies"])
+    assert wanted.get("jax") and wanted["jax"].specifier and wanted.get("jaxlib") \
+        and wanted["jaxlib"].specifier, "pyproject.toml no longer constrains jax and jaxlib"
     extras = project.get("optional-dependencies", {})
     for extra in ("test", "bench"):
-        wanted.update({k: v for k, v in _pins(extras.get(extra, [])).items() if k != "pytest-xdist"})
-    for name, version in sorted(wanted.items()):
+        wanted.update({k: v for k, v in _requirements(extras.get(extra, [])).items()
+                       if k != "pytest-xdist"})
+    for name, req in sorted(wanted.items()):
         assert name in lock, f"{name} (pyproject.toml) is not in requirements_lock.txt"
-        if version is not None:
-            assert lock[name] == version, \
-                f"{name}: requirements_lock.txt has {lock[name]}, pyproject.toml pins {version}"
-    build_pins = _pins(PYPROJECT["build-system"]["requires"])
-    assert lock["jaxlib"] == build_pins["jaxlib"], \
-        f"jaxlib: requirements_lock.txt has {lock['jaxlib']}, pyproject.toml's build-system {build_pins['jaxlib']}"
+        assert req.specifier.contains(lock[name], prereleases=True), \
+            f"{name}: requirements_lock.txt has {lock[name]}, outside pyproject.toml's {req}"
+    assert lock["jax"] == lock["jaxlib"], \
+        f"requirements_lock.txt pins jax {lock['jax']} but jaxlib {lock['jaxlib']}"
+    # The extension is built against the oldest supported jaxlib's FFI headers (XLA
+    # refuses handlers built with newer headers than its own: pyproject.toml says why).
+    build = _requirements(PYPROJECT["build-system"]["requires"])["jaxlib"]
+    pins = [s.version for s in build.specifier if s.operator == "=="]
+    lowest = [s.version for s in wanted["jaxlib"].specifier if s.operator == ">="]
+    assert len(pins) == 1 and lowest == pins, \
+        f"pyproject.toml's build-system should pin jaxlib=={lowest}, the oldest supported; has {build}"
 
 
 def test_python_version_matches_pyproject(module):
