@@ -27,7 +27,8 @@ def report() -> str:
         warnings.simplefilter("ignore")
         import jax
         import jax_ops
-        from jax_ops import _extension, dispatch, tuning
+        from jax_ops import _extension
+        from jax_ops.core import cache, dispatch
 
     lines = ["versions:"]
     lines += [f"  {name}: {_version(name)}" for name in ("jax", "jaxlib", "flax", "jax_ops")]
@@ -63,13 +64,10 @@ def report() -> str:
     if not gpu_kinds:
         lines.append("  no GPU: heuristics (\"xla\" on CPU)")
     for kind in gpu_kinds:
-        table = dispatch.table_for(kind)
-        if table is None:
-            lines.append(f"  {kind}: no measured table, heuristics")
-        else:
-            lines.append(f"  {kind}: table jax_ops/tables/{table.get('_path', '?')} "
-                         f"(measured on {table.get('device_kind')!r}, jax {table.get('jax_version')})")
-    path = tuning.cache_path()
+        table, why = dispatch.table_match(kind)
+        lines.append(f"  {dispatch.device(kind).describe()}: {why}"
+                     + (f" (jax {table.get('jax_version')})" if table else ""))
+    path = cache.cache_path()
     lines.append(f"  autotune cache: {path} ({'exists' if path.exists() else 'absent'})")
     return "\n".join(lines)
 

@@ -35,7 +35,7 @@ import json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import jax_ops
-    import jax_ops._extension, jax_ops.layer_norm  # again: no second warning
+    import jax_ops._extension, jax_ops.ops.layer_norm  # again: no second warning
 ours = [w for w in caught if "jax_ops._ffi" in str(w.message)]
 print(json.dumps({"messages": [str(w.message) for w in ours],
                   "categories": [w.category.__name__ for w in ours],

@@ -254,8 +254,8 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
         per_run = [per_run]
     # Kernels of the fastest run (CUPTI: launch order, ms each).
     run = min(per_run or [[]], key=lambda r: sum(t for _, t in r))
-    groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
-    for kernel, ms in run:
+    instrs = []
+    for kernel, _ in run:
         instr = kernel if kernel in meta else by_sanitized.get(re.sub(r"[^\w]", "_", kernel))
         if instr is None:
             family = _family(kernel)
@@ -263,6 +263,16 @@ def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
                          None)
         if instr in pending:
             pending.remove(instr)
+        instrs.append(instr)
+    # A library kernel launched inside an instruction no custom call stands for (cuBLAS
+    # running XLA's gemm fusions, seen on the H100) goes to its nearest named neighbour
+    # in launch order, the previous one first.
+    for i, instr in enumerate(instrs):
+        if instr is None:
+            near = [instrs[j] for j in (i - 1, i + 1) if 0 <= j < len(instrs) and instrs[j]]
+            instrs[i] = near[0] if near else None
+    groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
+    for (kernel, ms), instr in zip(run, instrs):
         fields = meta.get(instr, {}) if instr else {}
         loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
         kind = _kernel_kind(kernel, instr, fields.get("op_name", ""),
