@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ops
 import support
-from jax_ops.ops.layer_norm import NORM_BWD, NORM_FWD
+from jax_ops.ops.layer_norm import BWD, FWD
 from pallas_kernels import layer_norm as pallas_norm
 from test_layer_norm import (ELEM_TOL, TOL, assert_close, bitwise_equal, f64, ref_backward,
                              ref_forward, seed_of)
@@ -265,10 +265,10 @@ def test_invalid_arguments_raise(op, x, r, scale, bias, kw, exc, match):
 def test_primitive_rejects_bad_residual_and_dh():
     x, r2 = jnp.ones((2, 8), f32), jnp.ones((2,), f32)
     with pytest.raises(ValueError, match=r"add_layer_norm: residual.*\(2, 8\).*\(2, 4\)"):
-        NORM_FWD.call(x, jnp.ones((2, 4), f32), None, None, epsilon=1e-5, rms=False, with_stats=False,
+        FWD.call(x, jnp.ones((2, 4), f32), None, None, epsilon=1e-5, rms=False, with_stats=False,
                       implementation="xla")
     with pytest.raises(ValueError, match=r"dh must match x.*bfloat16"):
-        NORM_BWD.call(x, x.astype(jnp.bfloat16), x, r2, r2, None, rms=False, dscale_dtype=None,
+        BWD.call(x, x.astype(jnp.bfloat16), x, r2, r2, None, rms=False, dscale_dtype=None,
                       dbias_dtype=None, implementation="xla")
 
 

@@ -365,8 +365,8 @@ def test_primitives_with_stats(op, dtype, impl):
     eps = DEFAULT_EPS[op]
     x, scale, bias, dy = make_inputs(seed_of(f"prim{op}{dtype}"), (2, 3, 1025), dtype, "float32",
                                      None if rms else "float32")
-    y, mean, rstd = FWD.call(x, scale, bias, epsilon=eps, rms=rms, with_stats=True,
-                             implementation=impl)
+    y, _, mean, rstd = FWD.call(x, None, scale, bias, epsilon=eps, rms=rms, with_stats=True,
+                                implementation=impl)
     rmean, rrstd = ref_stats(x, eps, rms)
     assert rstd.dtype == jnp.float32 and rstd.shape == (2, 3)
     assert_close("rstd", rstd, rrstd, tol=1e-5, elem_tol=2e-5)
@@ -377,15 +377,15 @@ def test_primitives_with_stats(op, dtype, impl):
         assert_close("mean", mean, rmean, tol=1e-5, elem_tol=2e-5)
     assert_close("y", y, ref_forward(x, scale, bias, eps, rms), tol=TOL[dtype], elem_tol=ELEM_TOL[dtype])
 
-    y2, m2, r2 = FWD.call(x, scale, bias, epsilon=eps, rms=rms, with_stats=False,
-                          implementation=impl)
+    y2, _, m2, r2 = FWD.call(x, None, scale, bias, epsilon=eps, rms=rms, with_stats=False,
+                             implementation=impl)
     assert m2 is None and r2 is None
     if impl == "cuda":  # our kernels compute y the same way either way
         assert bitwise_equal(y, y2), "with_stats must not change y"
     else:  # XLA may fuse the two graphs differently (seen on GPU): last-bit differences
         assert_close("y without stats", y2, y, tol=1e-6, elem_tol=1e-6)
 
-    dx, dscale, dbias = BWD.call(dy, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
+    dx, dscale, dbias = BWD.call(dy, None, x, mean, rstd, scale, rms=rms, dscale_dtype=scale.dtype,
                                  dbias_dtype=None if bias is None else bias.dtype,
                                  implementation=impl)
     rdx, rds, rdb, dx_scale = ref_backward(dy, x, scale, eps, rms)
@@ -803,11 +803,11 @@ def test_backward_primitive_rejects_bad_operands(impl):
     x = jnp.ones((2, 8), f32)
     r = jnp.ones((2,), f32)
     with pytest.raises(TypeError, match=r"dscale and dbias must share a dtype.*float32.*bfloat16"):
-        BWD.call(x, x, r, r, jnp.ones((8,), f32), rms=False, dscale_dtype=jnp.dtype(f32),
+        BWD.call(x, None, x, r, r, jnp.ones((8,), f32), rms=False, dscale_dtype=jnp.dtype(f32),
                  dbias_dtype=jnp.dtype(jnp.bfloat16), implementation=impl)
     x0 = jnp.ones((2, 0), f32)
     with pytest.raises(ValueError, match=r"last axis of size >= 1.*\(2, 0\)"):
-        BWD.call(x0, x0, r, r, None, rms=False, dscale_dtype=None, dbias_dtype=None,
+        BWD.call(x0, None, x0, r, r, None, rms=False, dscale_dtype=None, dbias_dtype=None,
                  implementation=impl)
 
 

@@ -368,13 +368,13 @@ def _user_adapter(fn, backward, tunable):
 
 # ----------------------------------------------------------- declaration ---
 
-NORM_FWD = Stage("norm_fwd", "fwd", ("x", "residual?", "scale?", "bias?"), ("y", "h?", "mean?", "rstd?"),
+FWD = Stage("norm_fwd", "fwd", ("x", "residual?", "scale?", "bias?"), ("y", "h?", "mean?", "rstd?"),
                  op_of=_fwd_op_of, abstract=_fwd_abstract, reference=_fwd_reference, batch=_fwd_batch,
                  roles={"x": "x", "residual": "x", "scale": "cols", "bias": "cols", "y": "x", "h": "x",
                         "mean": "rows", "rstd": "rows"},
                  needs_local=_hidden_sharded, local=_fwd_local,
                  variant=lambda p: "stats" if p["with_stats"] else "")
-NORM_BWD = Stage("norm_bwd", "bwd", ("dy", "dh?", "x", "mean?", "rstd", "scale?"), ("dx", "dscale?", "dbias?"),
+BWD = Stage("norm_bwd", "bwd", ("dy", "dh?", "x", "mean?", "rstd", "scale?"), ("dx", "dscale?", "dbias?"),
                  op_of=_bwd_op_of, abstract=_bwd_abstract, reference=_bwd_reference, batch=_bwd_batch,
                  roles={"dy": "x", "dh": "x", "x": "x", "mean": "rows", "rstd": "rows", "scale": "cols",
                         "dx": "x", "dscale": "colsum", "dbias": "colsum"},
@@ -394,14 +394,14 @@ def _backward(res, cts, wanted, params, in_avals):
         dx = dh
         dscale, dbias = (None if d is None else jnp.zeros(x.shape[-1:], d) for d in dtype.values())
     else:
-        dx, dscale, dbias = NORM_BWD.call(dy, dh, x, mean, rstd, scale, rms=params["rms"],
+        dx, dscale, dbias = BWD.call(dy, dh, x, mean, rstd, scale, rms=params["rms"],
                                           dscale_dtype=dtype["scale"], dbias_dtype=dtype["bias"],
                                           implementation=params["implementation"])
     return {"x": dx, "residual": dx, "scale": dscale, "bias": dbias}
 
 
 NORM = Op(
-    ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"), NORM_FWD, NORM_BWD,
+    ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"), FWD, BWD,
     outputs=lambda p: ("y", "h"), train=lambda p: dict(p, with_stats=True),
     residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
     impls={
@@ -415,29 +415,6 @@ NORM = Op(
                        supports=pallas_supports(lambda q: pallas_norm.supports(q.cols)),
                        configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
     })
-
-
-class _PlainView:
-    """A stage as the plain norms bind it: the add+norm operands (`drop`, passed as
-    absent) left out of its operand list and results (direct binds: tests, tools)."""
-
-    def __init__(self, stage: Stage, drop_operands: tuple[str, ...], drop_results: tuple[str, ...]):
-        self.stage, self._ops, self._res = stage, drop_operands, drop_results
-
-    def call(self, *operands, **params):
-        it = iter(operands)
-        outs = self.stage.call(*(None if n in self._ops else next(it) for n in self.stage.operands),
-                               **params)
-        return tuple(o for o, n in zip(outs, self.stage.results) if n not in self._res)
-
-    def __getattr__(self, name):
-        return getattr(self.stage, name)
-
-
-#: the plain norms' view of the stages: FWD.call(x, scale, bias) -> (y, mean, rstd),
-#: BWD.call(dy, x, mean, rstd, scale) -> (dx, dscale, dbias)
-FWD = _PlainView(NORM_FWD, ("residual",), ("h",))
-BWD = _PlainView(NORM_BWD, ("dh",), ())
 
 
 # ------------------------------------------------------------- public API ---
@@ -470,7 +447,7 @@ def layer_norm(x, scale=None, bias=None, *, epsilon: float = 1e-5, implementatio
     x, _, scale, bias = _prepare("layer_norm", x, scale, bias, epsilon, implementation)
     implementation = implementation or registry.override_for("layer_norm")
     x, scale, bias = match_vma(x, scale, bias)
-    return NORM_FWD.call(x, None, scale, bias, epsilon=float(epsilon), rms=False, with_stats=False,
+    return FWD.call(x, None, scale, bias, epsilon=float(epsilon), rms=False, with_stats=False,
                          implementation=implementation)[0]
 
 
@@ -482,7 +459,7 @@ def rms_norm(x, scale=None, *, epsilon: float = 1e-6, implementation: str | None
     x, _, scale, _ = _prepare("rms_norm", x, scale, None, epsilon, implementation)
     implementation = implementation or registry.override_for("rms_norm")
     x, scale = match_vma(x, scale)
-    return NORM_FWD.call(x, None, scale, None, epsilon=float(epsilon), rms=True, with_stats=False,
+    return FWD.call(x, None, scale, None, epsilon=float(epsilon), rms=True, with_stats=False,
                          implementation=implementation)[0]
 
 
@@ -490,7 +467,7 @@ def _add_norm(op, x, residual, scale, bias, epsilon, implementation, rms):
     x, residual, scale, bias = _prepare(op, x, scale, bias, epsilon, implementation, residual)
     implementation = implementation or registry.override_for(op)
     x, residual, scale, bias = match_vma(x, residual, scale, bias)
-    y, h, _, _ = NORM_FWD.call(x, residual, scale, bias, epsilon=float(epsilon), rms=rms,
+    y, h, _, _ = FWD.call(x, residual, scale, bias, epsilon=float(epsilon), rms=rms,
                                with_stats=False, implementation=implementation)
     return y, h
 
