@@ -633,3 +633,15 @@ def test_gpu_profile_on_the_gpu():
     first = f.__code__.co_firstlineno
     # every kernel of the product, cuBLAS's included, maps to the line of `x @ w`
     assert matmuls and all(r.location.endswith(f"test_fx.py:{first + 1}") for r in matmuls), str(prof)
+
+
+def test_every_autodiff_mode_through_a_rewrite():
+    """The replacements are our ops, which differentiate in every mode: jvp and a
+    Hessian-vector product of a rewritten function equal the original's."""
+    def f(x):
+        return jnp.sum(jnp.sin(jax.nn.softmax(jax.nn.standardize(x, epsilon=1e-5))))
+    x, t = _x((4, 32)), _x((4, 32), seed=3)
+    fast = jax_ops.optimize(f, policy="always")
+    assert {"jax_ops_norm_fwd", "jax_ops_softmax_fwd"} <= _ops_in(fast, x)
+    _close(jax.jvp(fast, (x,), (t,))[1], jax.jvp(f, (x,), (t,))[1], jnp.float32)
+    _close(jax.jvp(jax.grad(fast), (x,), (t,))[1], jax.jvp(jax.grad(f), (x,), (t,))[1], jnp.float32)
