@@ -8,12 +8,9 @@ table / heuristics.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +19,7 @@ import numpy as np
 from jax_ops.core import cache, dispatch, registry
 from jax_ops.core.calls import op_calls
 from jax_ops.core.op import default_platform, query
-from jax_ops.core.cache import cache_path, load_cache  # noqa: F401 - public: jax_ops.tuning.cache_path
+from jax_ops.core.cache import cache_path  # noqa: F401 - public: jax_ops.tuning.cache_path
 from jax_ops.core.timing import wall_seconds
 
 # ---------------------------------------------------------- finding calls ---

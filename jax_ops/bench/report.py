@@ -17,7 +17,8 @@ from pathlib import Path
 
 import jax
 
-from jax_ops.bench.specs import KERNEL_IMPLS, flax_available, specs, view_len
+from jax_ops.bench.specs import KERNEL_IMPLS, flax_available, specs
+from jax_ops.core.benchspec import view_len
 
 
 @dataclasses.dataclass

@@ -44,7 +44,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -260,15 +259,15 @@ class Stage:
     def _rules(self, present, out_present) -> _sharding.Rules:
         roles_in = tuple(self.roles[n] for n, p in zip(self.operands, present) if p)
         roles_out = tuple(self.roles[n] for n, p in zip(self.results, out_present) if p)
-        local = None
+        per_device = None
         if self.local is not None:
-            def local(layout, mesh, *shards, present, implementation, **params):
+            def per_device(layout, mesh, *shards, present, implementation, **params):
                 if self.local_binds:
                     params["implementation"] = implementation
                 outs = self.local(layout, mesh, *_fill(shards, present), **params)
                 return _present_only(outs)
         return _sharding.Rules(ins=lambda p: roles_in, outs=lambda p: roles_out, axis=self.axis,
-                               policy=self.policy, needs_local=self.needs_local, local=local)
+                               policy=self.policy, needs_local=self.needs_local, local=per_device)
 
     def _batch(self, args, dims, *, present, **params):
         full_args, full_dims = _fill(args, present), _fill(dims, present)
@@ -415,18 +414,19 @@ class Op:
     impls: {name: Impl}; "xla" (the references) is added.
     user_adapter(fn, backward, tunable) -> {stage kind: stage function}: turns a user
       kernel with the op's documented signature into stage functions.
-    bench: {benchmark name: BenchSpec}.
+    bench: () -> {benchmark name: BenchSpec} (core/benchspec.py): the benchmark's inputs,
+      implementations, baselines and minimum bytes; called when the benchmark asks.
     """
 
     def __init__(self, names: Sequence[str], fwd: Stage, bwd: Stage, *,
                  outputs: Callable[[dict], tuple[str, ...]], residuals: Callable,
                  backward: Callable, train: Callable[[dict], dict] = lambda p: p,
                  impls: dict[str, Impl] | None = None, user_adapter: Callable | None = None,
-                 bench: dict | None = None):
+                 bench: Callable[[], dict] | None = None):
         self.names, self.fwd, self.bwd = tuple(names), fwd, bwd
         self.outputs, self.residuals, self.backward, self.train = outputs, residuals, backward, train
         self.user_adapter = user_adapter
-        self.bench = dict(bench or {})
+        self.bench = bench or dict
         self.tangent_prim = self._define_tangent()
         ad.primitive_jvps[fwd.prim] = self._fwd_jvp
         impls = {"xla": Impl({"fwd": reference_impl(fwd), "bwd": reference_impl(bwd)},

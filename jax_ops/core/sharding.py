@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp

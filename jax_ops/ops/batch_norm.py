@@ -37,6 +37,7 @@ import numpy as np
 from jax import core
 
 from jax_ops.core import registry
+from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_policy, unpack_bits
 from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports)
@@ -399,7 +400,8 @@ BN_RELU = Op(
                        supports=pallas_supports(
                            lambda q: pallas_bn.supports(max(q.rows or 1, 1), q.cols or 1)),
                        configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
-    })
+    },
+    bench=lambda: batch_norm_specs())  # the benchmark specs: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -469,3 +471,72 @@ def batch_norm_add_relu(x, z, scale=None, bias=None, *, epsilon: float = 1e-5,
     batch_norm_relu."""
     return _call("batch_norm_add_relu", x, z, scale, bias, epsilon, training, mean, var,
                  implementation)
+
+
+# ---------------------------------------------------------- batch_norm family: benchmark specs (jax_ops.bench) ---
+# The BatchNorm fusions, training mode. cols are the channels (an NHWC activation
+# flattened to (N*H*W, C)); the mask residual is 1 bit per element.
+
+BN_EPSILON = 1e-5
+
+
+def batch_norm_specs() -> dict[str, BenchSpec]:
+    """Benchmarks of the batch_norm family: batch_norm_relu, batch_norm_add_relu."""
+
+    def spec(add: bool) -> BenchSpec:
+        op = "batch_norm_add_relu" if add else "batch_norm_relu"
+
+        def make_inputs(kx, kp, kq, dtype, rows, cols):
+            x = 0.5 + jax.random.normal(kx, (rows, cols), dtype)
+            scale = 1.0 + 0.1 * jax.random.normal(kp, (cols,), jnp.float32)
+            bias = 0.1 * jax.random.normal(kq, (cols,), jnp.float32)
+            z = (jax.random.normal(jax.random.fold_in(kq, 1), (rows, cols), dtype),) if add else ()
+            return x, (*z, scale, bias)
+
+        def kernel(impl):  # training forward; y only (the statistics are for the running averages)
+            if add:
+                return lambda x, z, s, b: batch_norm_add_relu(
+                    x, z, s, b, epsilon=BN_EPSILON, implementation=impl)[0]
+            return lambda x, s, b: batch_norm_relu(x, s, b, epsilon=BN_EPSILON,
+                                                           implementation=impl)[0]
+
+        def reference(dtype):  # BatchNorm in float32 jnp + jax.nn.relu, autodiff
+            def bn(x, s, b):
+                xf = x.astype(jnp.float32)
+                mean = jnp.mean(xf, axis=0)
+                var = jnp.mean(jnp.square(xf - mean), axis=0)
+                return ((xf - mean) * jax.lax.rsqrt(var + BN_EPSILON) * s + b).astype(x.dtype)
+            if add:
+                return lambda x, z, s, b: jax.nn.relu(bn(x, s, b) + z)
+            return lambda x, s, b: jax.nn.relu(bn(x, s, b))
+
+        def flax(dtype):  # flax.linen.BatchNorm (training, batch_stats updated) + jax.nn.relu
+            import flax.linen as nn
+            m = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=BN_EPSILON,
+                             dtype=dtype, param_dtype=jnp.float32)
+
+            def bn(x, s, b):
+                c = x.shape[-1]
+                stats = {"mean": jnp.zeros((c,), jnp.float32), "var": jnp.ones((c,), jnp.float32)}
+                y, _ = m.apply({"params": {"scale": s, "bias": b}, "batch_stats": stats}, x,
+                               mutable=["batch_stats"])
+                return y
+            if add:
+                return lambda x, z, s, b: jax.nn.relu(bn(x, s, b) + z)
+            return lambda x, s, b: jax.nn.relu(bn(x, s, b))
+
+        def nbytes(rows, cols, itemsize):
+            # Two-pass floors: the per-channel reduction over all rows must finish before
+            # the elementwise pass, so x (and dy) are read twice.
+            x, m, p = rows * cols * itemsize, -(-rows * cols // 32) * 4, cols * 4
+            z = x if add else 0
+            fwd = 3 * x + z + m + 2 * p            # stats: read x; then read x (z), write y, mask
+            bwd = 5 * x + z + 2 * m + 4 * p        # reduce: dy, x, mask; then dy, x, mask -> dx (dz)
+            return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
+
+        return BenchSpec(make_inputs=make_inputs, kernel=kernel, reference=reference,
+                         flax=flax, nbytes=nbytes, num_params=2, epsilon=BN_EPSILON,
+                         table_stages=("bwd",), table_alias=(op, "fwd_stats"),
+                         title=" training, (rows, C) = (N*H*W, C)")
+
+    return {"batch_norm_relu": spec(add=False), "batch_norm_add_relu": spec(add=True)}

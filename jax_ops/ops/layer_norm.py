@@ -18,7 +18,8 @@ dscale/dbias partials (XLA allocates it and drops it right after).
 from __future__ import annotations
 
 import math
-from functools import partial
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ import numpy as np
 from jax import core
 
 from jax_ops.core import registry
+from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
 from jax_ops.core.op import dtype_name as _fmt_dtype
@@ -414,7 +416,8 @@ NORM = Op(
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
                        supports=pallas_supports(lambda q: pallas_norm.supports(q.cols)),
                        configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
-    })
+    },
+    bench=lambda: layer_norm_specs())  # the benchmark specs: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -490,3 +493,66 @@ def add_rms_norm(x, residual, scale=None, *, epsilon: float = 1e-6, implementati
     """Fused residual add + RMSNorm: h = x + residual, y = rms_norm(h, scale); returns
     (y, h). Same rules as `add_layer_norm` (no bias)."""
     return _add_norm("add_rms_norm", x, residual, scale, None, epsilon, implementation, rms=True)
+
+
+# ---------------------------------------------------------- layer_norm family: benchmark specs (jax_ops.bench) ---
+# LayerNorm and RMSNorm over the last axis. params: float32 scale (and bias),
+# differentiated.
+
+NORM_EPSILON = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # jax_ops' defaults, used by every impl
+
+
+def layer_norm_specs() -> dict[str, BenchSpec]:
+    """Benchmarks of the layer_norm family: layer_norm, rms_norm."""
+
+    def jnp_norm(op: str, eps: float) -> Callable:
+        """Plain jax.numpy norm with float32 math, output in x's dtype."""
+        def layer_norm(x, scale, bias):
+            xf = x.astype(jnp.float32)
+            mean = jnp.mean(xf, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+            return ((xf - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+        def rms_norm(x, scale):
+            xf = x.astype(jnp.float32)
+            ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+            return (xf * jax.lax.rsqrt(ms + eps) * scale).astype(x.dtype)
+
+        return layer_norm if op == "layer_norm" else rms_norm
+
+    def flax_norm(op: str, eps: float, dtype) -> Callable:
+        import flax.linen as nn
+        if op == "layer_norm":
+            ln = nn.LayerNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32)
+            return lambda x, scale, bias: ln.apply({"params": {"scale": scale, "bias": bias}}, x)
+        rms = nn.RMSNorm(epsilon=eps, dtype=dtype, param_dtype=jnp.float32)
+        return lambda x, scale: rms.apply({"params": {"scale": scale}}, x)
+
+    def spec(op: str) -> BenchSpec:
+        eps = NORM_EPSILON[op]
+        n = 2 if op == "layer_norm" else 1  # scale, bias / scale
+
+        def make_inputs(kx, ks, kb, dtype, rows, cols):
+            x = jax.random.normal(kx, (rows, cols), dtype)
+            scale = 1.0 + 0.1 * jax.random.normal(ks, (cols,), jnp.float32)
+            return x, (scale, 0.1 * jax.random.normal(kb, (cols,), jnp.float32))[:n]
+
+        def kernel(impl):
+            if op == "layer_norm":
+                return lambda x, scale, bias: layer_norm(
+                    x, scale, bias, epsilon=eps, implementation=impl)
+            return lambda x, scale: rms_norm(x, scale, epsilon=eps, implementation=impl)
+
+        def nbytes(rows, cols, itemsize):
+            x, p = rows * cols * itemsize, cols * 4
+            s = rows * 4 * n  # float32 stats: layer_norm mean + rstd; rms_norm rstd
+            fwd = 2 * x + n * p
+            bwd = 3 * x + s + p + n * p
+            return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + s + bwd}
+
+        return BenchSpec(make_inputs=make_inputs, kernel=kernel, nbytes=nbytes,
+                         reference=lambda dtype: jnp_norm(op, eps),
+                         flax=lambda dtype: flax_norm(op, eps, dtype), num_params=n,
+                         epsilon=eps, table_stages=("fwd", "bwd", "fwd_stats"))
+
+    return {"layer_norm": spec("layer_norm"), "rms_norm": spec("rms_norm")}

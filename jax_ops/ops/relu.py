@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
 
 from jax_ops.core import registry
+from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.bitmask import MASK_DTYPE, WORD, mask_shape, pack_bits, sharding_policy, unpack_bits
 from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
@@ -196,7 +198,8 @@ RELU = Op(
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
                        supports=pallas_supports(_pallas_limit), configs=_pallas_configs,
                        description="Pallas kernels (Triton back end)"),
-    })
+    },
+    bench=lambda: relu_specs())  # the benchmark specs: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -234,3 +237,37 @@ def add_relu(x, z, *, implementation: str | None = None):
         z = jnp.broadcast_to(z, x.shape)
     x, z = match_vma(x, z)
     return FWD.call(x, z, implementation=implementation or registry.override_for("add_relu"))[0]
+
+
+# ---------------------------------------------------------------- relu family: benchmark specs (jax_ops.bench) ---
+# x is (rows, cols). The mask residual is 1 bit per element: M = rows * cols / 8 bytes.
+
+def relu_specs() -> dict[str, BenchSpec]:
+    """Benchmarks of the relu family: relu, add_relu (y + 1-bit mask)."""
+
+    def spec(add: bool) -> BenchSpec:
+        def make_inputs(kx, kp, kq, dtype, rows, cols):
+            x = jax.random.normal(kx, (rows, cols), dtype)
+            return x, ((jax.random.normal(kp, (rows, cols), dtype),) if add else ())
+
+        def kernel(impl):
+            if add:
+                return lambda x, z: add_relu(x, z, implementation=impl)
+            return lambda x: relu(x, implementation=impl)
+
+        def reference(dtype):  # XLA's relu, autodiff keeps what it likes (x or a predicate)
+            if add:
+                return lambda x, z: jax.nn.relu(x + z)
+            return jax.nn.relu
+
+        def nbytes(rows, cols, itemsize):
+            x, m = rows * cols * itemsize, -(-rows * cols // 32) * 4
+            fwd = (3 if add else 2) * x + m      # read x (and z), write y and the mask
+            bwd = 2 * x + m                      # read dy and the mask, write dx (= dz)
+            return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
+
+        return BenchSpec(make_inputs=make_inputs, kernel=kernel, reference=reference,
+                         nbytes=nbytes, diff_params=add, table_stages=("fwd", "bwd"),
+                         title=" (y + 1-bit mask)")
+
+    return {"relu": spec(add=False), "add_relu": spec(add=True)}

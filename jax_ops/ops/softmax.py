@@ -26,12 +26,15 @@ from __future__ import annotations
 import math
 import numbers
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import core
 
 from jax_ops.core import registry
+from jax_ops.core.benchspec import BenchSpec, view_len
 from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi_supports, match_vma,
                              pallas_supports)
 from jax_ops.core.op import dtype_name as _fmt_dtype
@@ -442,7 +445,8 @@ SOFTMAX = Op(
                        supports=pallas_supports(lambda q: pallas_softmax.supports(q.cols)),
                        configs=_pallas_configs, automatic=_last_axis_only,
                        description="Pallas kernels (Triton back end)"),
-    })
+    },
+    bench=lambda: softmax_specs())  # the benchmark specs: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -494,3 +498,88 @@ def log_softmax(x, axis: int = -1, *, scale: float | None = None, mask=None,
     """LogSoftmax of x * scale along `axis`; same arguments as `softmax`. Masked
     entries, and every entry of fully masked rows, are -inf (their gradient is 0)."""
     return _call("log_softmax", x, axis, scale, mask, causal, implementation)
+
+
+# ------------------------------------------------------------- softmax family: benchmark specs (jax_ops.bench) ---
+# Kernels call softmax / log_softmax on the (B, Q, cols) view for the masked
+# variants and reshape y back to (rows, cols) (free: a bitcast).
+
+SOFTMAX_X_SCALE = 4.0            # softmax inputs: x = 4 * N(0, 1), peaked rows
+MASK_KEEP = 0.9                  # softmax_mask: P(mask element is True)
+MASK_Q_CAP, CAUSAL_Q_CAP = 512, 2048  # Q of the (rows // Q, Q, cols) views, at most
+
+
+def softmax_specs() -> dict[str, BenchSpec]:
+    """Benchmarks of the softmax family: softmax, log_softmax, softmax_mask, softmax_causal."""
+
+    def softmax_inputs(kx, kp, kq, dtype, rows, cols):
+        return SOFTMAX_X_SCALE * jax.random.normal(kx, (rows, cols), dtype), ()
+
+    def mask_inputs(kx, kp, kq, dtype, rows, cols):
+        """x and a key-padding mask (B, 1, cols), True = keep (~90%), never a fully masked
+        row (column 0 always kept)."""
+        x, _ = softmax_inputs(kx, kp, kq, dtype, rows, cols)
+        b = rows // view_len(rows, cols, MASK_Q_CAP)
+        keep = jax.random.bernoulli(kp, MASK_KEEP, (b, 1, cols)).at[..., 0].set(True)
+        return x, (keep,)
+
+    def softmax_kernel(log: bool = False, masked: bool = False, causal: bool = False) -> Callable:
+        def make(impl):
+            def fn(x, *mask):
+                rows, cols = x.shape
+                op = log_softmax if log else softmax  # looked up at call time
+                if masked:
+                    y = op(x.reshape(mask[0].shape[0], -1, cols), mask=mask[0], implementation=impl)
+                elif causal:
+                    q = view_len(rows, cols, CAUSAL_Q_CAP)
+                    y = op(x.reshape(rows // q, q, cols), causal=True, implementation=impl)
+                else:
+                    y = op(x, axis=-1, implementation=impl)
+                return y.reshape(rows, cols)
+            return fn
+        return make
+
+    def jnp_softmax(log: bool = False, masked: bool = False, causal: bool = False) -> Callable:
+        """dtype -> plain jax.nn (log_)softmax on float32 logits, -inf where masked, output
+        in x's dtype; differentiated by JAX autodiff."""
+        def fn(x, *mask):
+            rows, cols = x.shape
+            z = x.astype(jnp.float32)
+            if masked:
+                z = jnp.where(mask[0], z.reshape(mask[0].shape[0], -1, cols), -jnp.inf)
+            elif causal:
+                q = view_len(rows, cols, CAUSAL_Q_CAP)
+                keep = jnp.tril(jnp.ones((q, cols), bool), cols - q)  # j <= i + (cols - q)
+                z = jnp.where(keep, z.reshape(rows // q, q, cols), -jnp.inf)
+            y = (jax.nn.log_softmax if log else jax.nn.softmax)(z, axis=-1)
+            return y.astype(x.dtype).reshape(rows, cols)
+        return lambda dtype: fn
+
+    def softmax_bytes(mask_cap: int | None = None) -> Callable:
+        def nbytes(rows, cols, itemsize):
+            x = rows * cols * itemsize
+            m = 0 if mask_cap is None else rows // view_len(rows, cols, mask_cap) * cols  # bool
+            fwd, bwd = 2 * x + m, 3 * x  # bwd: read y and dy, write dx
+            return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + bwd}
+        return nbytes
+
+    def spec(log: bool = False, masked: bool = False, causal: bool = False) -> BenchSpec:
+        flags = dict(log=log, masked=masked, causal=causal)
+        common = dict(kernel=softmax_kernel(**flags), reference=jnp_softmax(**flags),
+                      diff_params=False)
+        if masked:
+            return BenchSpec(make_inputs=mask_inputs, nbytes=softmax_bytes(MASK_Q_CAP),
+                             unmasked="softmax", view_cap=MASK_Q_CAP,
+                             table_alias=("softmax", "fwd_mask"),
+                             title=f" as (B, Q, cols), Q = min(cols, {MASK_Q_CAP}), "
+                                   f"mask (B, 1, cols) {MASK_KEEP:.0%} True", **common)
+        if causal:
+            return BenchSpec(make_inputs=softmax_inputs, nbytes=softmax_bytes(),
+                             unmasked="softmax", view_cap=CAUSAL_Q_CAP,
+                             title=f" as (B, Q, cols), Q = min(cols, {CAUSAL_Q_CAP}), causal",
+                             **common)
+        return BenchSpec(make_inputs=softmax_inputs, nbytes=softmax_bytes(),
+                         table_stages=("fwd", "bwd"), xla_summary=True, **common)
+
+    return {"softmax": spec(), "log_softmax": spec(log=True),
+            "softmax_mask": spec(masked=True), "softmax_causal": spec(causal=True)}
