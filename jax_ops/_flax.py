@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ops import batch_norm_add_relu, batch_norm_relu, layer_norm, rms_norm, softmax
-from jax_ops.core.op import ACT_DTYPES
+from jax_ops.core.validate import ACT_DTYPES
 
 
 def _axes(ndim: int, axes) -> tuple[int, ...]:

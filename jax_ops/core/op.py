@@ -53,13 +53,7 @@ from jax_ops.core import sharding as _sharding
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-#: activation dtypes every op takes
-ACT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-F32 = jnp.dtype(jnp.float32)
-
-
-def dtype_name(d) -> str:
-    return jnp.dtype(d).name
+from jax_ops.core.validate import F32
 
 
 def default_platform() -> str:
@@ -259,15 +253,14 @@ class Stage:
     def _rules(self, present, out_present) -> _sharding.Rules:
         roles_in = tuple(self.roles[n] for n, p in zip(self.operands, present) if p)
         roles_out = tuple(self.roles[n] for n, p in zip(self.results, out_present) if p)
-        per_device = None
-        if self.local is not None:
-            def per_device(layout, mesh, *shards, present, implementation, **params):
-                if self.local_binds:
-                    params["implementation"] = implementation
-                outs = self.local(layout, mesh, *_fill(shards, present), **params)
-                return _present_only(outs)
+        def per_device(layout, mesh, *shards, present, implementation, **params):
+            if self.local_binds:
+                params["implementation"] = implementation
+            outs = self.local(layout, mesh, *_fill(shards, present), **params)
+            return _present_only(outs)
         return _sharding.Rules(ins=lambda p: roles_in, outs=lambda p: roles_out, axis=self.axis,
-                               policy=self.policy, needs_local=self.needs_local, local=per_device)
+                               policy=self.policy, needs_local=self.needs_local,
+                               local=per_device if self.local is not None else None)
 
     def _batch(self, args, dims, *, present, **params):
         full_args, full_dims = _fill(args, present), _fill(dims, present)

@@ -38,10 +38,11 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
+from jax_ops.core.validate import check_broadcastable, check_epsilon, check_vectors, check_x
 from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_policy, unpack_bits
-from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports)
-from jax_ops.core.op import dtype_name as _fmt_dtype
+from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import batch_norm as pallas_bn
 
 _F32 = jnp.dtype(jnp.float32)
@@ -67,45 +68,9 @@ def _op_name(has_z: bool) -> str:
 
 def _check_inputs(op, x, scale, bias, epsilon) -> None:
     """TypeError/ValueError naming the argument, expected and actual value."""
-    if x.dtype not in ACT_DTYPES:
-        raise TypeError(f"jax_ops.{op}: x must be float32, bfloat16 or float16; "
-                        f"got dtype {_fmt_dtype(x.dtype)}")
-    if x.ndim < 2:
-        raise ValueError(f"jax_ops.{op}: x must have rank >= 2 (channels on the last axis, "
-                         f"statistics over the others); got shape {tuple(x.shape)}")
-    c = x.shape[-1]
-    if c < 1:
-        raise ValueError(f"jax_ops.{op}: x's last axis must have size >= 1; got shape {tuple(x.shape)}")
-    for name, p in (("scale", scale), ("bias", bias)):
-        if p is None:
-            continue
-        if tuple(p.shape) != (c,):
-            raise ValueError(f"jax_ops.{op}: {name} must have shape ({c},) to match x's last "
-                             f"axis; got shape {tuple(p.shape)} (x has shape {tuple(x.shape)})")
-        if p.dtype not in (_F32, x.dtype):
-            raise TypeError(f"jax_ops.{op}: {name} must be float32 or x's dtype "
-                            f"{_fmt_dtype(x.dtype)}; got {_fmt_dtype(p.dtype)}")
-    if scale is not None and bias is not None and scale.dtype != bias.dtype:
-        raise TypeError(f"jax_ops.{op}: scale and bias must share a dtype; got scale "
-                        f"{_fmt_dtype(scale.dtype)} and bias {_fmt_dtype(bias.dtype)}")
-    if not isinstance(epsilon, (int, float, np.floating)) or isinstance(epsilon, bool):
-        raise TypeError(f"jax_ops.{op}: epsilon must be a Python float; got {type(epsilon).__name__}")
-    if not (float(epsilon) >= 0.0 and np.isfinite(epsilon)):
-        raise ValueError(f"jax_ops.{op}: epsilon must be finite and >= 0; got {epsilon}")
-
-
-def _check_z(op, x, z) -> None:
-    """z must have x's dtype and a shape that broadcasts to x's."""
-    if z.dtype != x.dtype:
-        raise TypeError(f"jax_ops.{op}: z must have x's dtype {_fmt_dtype(x.dtype)}; "
-                        f"got {_fmt_dtype(z.dtype)}")
-    try:
-        shape = jnp.broadcast_shapes(tuple(z.shape), tuple(x.shape))
-    except ValueError:
-        shape = None
-    if shape != tuple(x.shape):
-        raise ValueError(f"jax_ops.{op}: z must have x's shape {tuple(x.shape)} (or one that "
-                         f"broadcasts to it); got shape {tuple(z.shape)}")
+    check_x(op, x, min_rank=2, rank_rule="rank >= 2 (channels on the last axis, statistics over the others)")
+    check_vectors(op, x, scale=scale, bias=bias)
+    check_epsilon(op, epsilon)
 
 
 def _check_stat(op, name, a, c):
@@ -417,7 +382,7 @@ def _call(op, x, z, scale, bias, epsilon, training, mean, var, implementation):
     rows, c = _rows_channels(x.shape)
     if z is not None:
         z = jnp.asarray(z)
-        _check_z(op, x, z)
+        check_broadcastable(op, "z", x, z)
         if z.shape != x.shape:
             z = jnp.broadcast_to(z, x.shape)
     if training:

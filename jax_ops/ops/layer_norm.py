@@ -28,9 +28,10 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
-from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
+from jax_ops.core.validate import check_epsilon, check_vectors, check_x
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
-from jax_ops.core.op import dtype_name as _fmt_dtype
+from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import layer_norm as pallas_norm
 
 _F32 = jnp.dtype(jnp.float32)
@@ -40,32 +41,10 @@ _F32 = jnp.dtype(jnp.float32)
 
 def check_inputs(op: str, x, scale, bias, epsilon=None) -> None:
     """TypeError/ValueError naming the argument, expected and actual value."""
-    if x.dtype not in ACT_DTYPES:
-        raise TypeError(f"jax_ops.{op}: x must be float32, bfloat16 or float16; "
-                        f"got dtype {_fmt_dtype(x.dtype)}")
-    if x.ndim < 1:
-        raise ValueError(f"jax_ops.{op}: x must have at least 1 dimension "
-                         f"(normalization runs over the last axis); got shape {tuple(x.shape)}")
-    cols = x.shape[-1]
-    if cols < 1:
-        raise ValueError(f"jax_ops.{op}: x's last axis must have size >= 1; got shape {tuple(x.shape)}")
-    for name, p in (("scale", scale), ("bias", bias)):
-        if p is None:
-            continue
-        if tuple(p.shape) != (cols,):
-            raise ValueError(f"jax_ops.{op}: {name} must have shape ({cols},) to match x's last "
-                             f"axis; got shape {tuple(p.shape)} (x has shape {tuple(x.shape)})")
-        if p.dtype not in (_F32, x.dtype):
-            raise TypeError(f"jax_ops.{op}: {name} must be float32 or x's dtype "
-                            f"{_fmt_dtype(x.dtype)}; got {_fmt_dtype(p.dtype)}")
-    if scale is not None and bias is not None and scale.dtype != bias.dtype:
-        raise TypeError(f"jax_ops.{op}: scale and bias must share a dtype; got scale "
-                        f"{_fmt_dtype(scale.dtype)} and bias {_fmt_dtype(bias.dtype)}")
+    check_x(op, x, min_rank=1, rank_rule="at least 1 dimension (normalization runs over the last axis)")
+    check_vectors(op, x, scale=scale, bias=bias)
     if epsilon is not None:
-        if not isinstance(epsilon, (int, float, np.floating)) or isinstance(epsilon, bool):
-            raise TypeError(f"jax_ops.{op}: epsilon must be a Python float; got {type(epsilon).__name__}")
-        if not (float(epsilon) >= 0.0 and np.isfinite(epsilon)):
-            raise ValueError(f"jax_ops.{op}: epsilon must be finite and >= 0; got {epsilon}")
+        check_epsilon(op, epsilon)
 
 
 def check_residual(op: str, x, residual) -> None:

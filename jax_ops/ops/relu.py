@@ -20,10 +20,12 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
+from jax_ops.core.validate import check_broadcastable
 from jax_ops.core.bitmask import MASK_DTYPE, WORD, mask_shape, pack_bits, sharding_policy, unpack_bits
-from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi, ffi_supports, match_vma,
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
-from jax_ops.core.op import dtype_name as _fmt_dtype
+from jax_ops.core.validate import ACT_DTYPES
+from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import relu as pallas_relu
 
 
@@ -37,20 +39,6 @@ def _check_x(op, x):
     if x.dtype not in ACT_DTYPES:
         raise TypeError(f"jax_ops.{op}: x must be float32, bfloat16 or float16; "
                         f"got dtype {_fmt_dtype(x.dtype)}")
-
-
-def _check_z(op, x, z):
-    """z must have x's dtype and a shape that broadcasts to x's."""
-    if z.dtype != x.dtype:
-        raise TypeError(f"jax_ops.{op}: z must have x's dtype {_fmt_dtype(x.dtype)}; "
-                        f"got {_fmt_dtype(z.dtype)}")
-    try:
-        shape = jnp.broadcast_shapes(tuple(z.shape), tuple(x.shape))
-    except ValueError:
-        shape = None
-    if shape != tuple(x.shape):
-        raise ValueError(f"jax_ops.{op}: z must have x's shape {tuple(x.shape)} (or one that "
-                         f"broadcasts to it); got shape {tuple(z.shape)}")
 
 
 # ---------------------------------------------------------------- forward ---
@@ -232,7 +220,7 @@ def add_relu(x, z, *, implementation: str | None = None):
     registry.check_name("add_relu", implementation)
     x, z = jnp.asarray(x), jnp.asarray(z)
     _check_x("add_relu", x)
-    _check_z("add_relu", x, z)
+    check_broadcastable("add_relu", "z", x, z)
     if z.shape != x.shape:
         z = jnp.broadcast_to(z, x.shape)
     x, z = match_vma(x, z)

@@ -35,9 +35,10 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec, view_len
-from jax_ops.core.op import (ACT_DTYPES, Impl, Op, Stage, ffi_supports, match_vma,
+from jax_ops.core.op import (Impl, Op, Stage, ffi_supports, match_vma,
                              pallas_supports)
-from jax_ops.core.op import dtype_name as _fmt_dtype
+from jax_ops.core.validate import ACT_DTYPES
+from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import softmax as pallas_softmax
 
 _F32 = jnp.dtype(jnp.float32)
