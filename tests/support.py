@@ -37,17 +37,5 @@ def need(op: str, impl: str | None) -> None:
 
 def primitive_names(closed_jaxpr) -> set[str]:
     """Names of the primitives in a jaxpr, nested bodies (jit, scan, cond) included."""
-    from jax.extend.core import ClosedJaxpr, Jaxpr
-    names: set[str] = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            names.add(eqn.primitive.name)
-            for v in eqn.params.values():
-                for item in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if isinstance(item, ClosedJaxpr):
-                        walk(item.jaxpr)
-                    elif isinstance(item, Jaxpr):
-                        walk(item)
-    walk(closed_jaxpr.jaxpr)
-    return names
+    from jax_ops.core.calls import equations
+    return {eqn.primitive.name for eqn in equations(closed_jaxpr.jaxpr)}

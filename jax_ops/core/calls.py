@@ -11,24 +11,24 @@ from jax_ops.core.dispatch import Decision, choose
 from jax_ops.core.op import PRIMITIVES, default_platform, query
 
 
+def equations(jaxpr):
+    """Every equation of a jaxpr, nested bodies (jit, custom_jvp/vjp, scan, cond, while)
+    included, in program order."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for v in eqn.params.values():
+            for item in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(item, ClosedJaxpr):
+                    yield from equations(item.jaxpr)
+                elif isinstance(item, Jaxpr):
+                    yield from equations(item)
+
+
 def op_calls(fn: Callable, *args, **kwargs) -> list[tuple]:
     """(primitive, operand avals, params) of every jax_ops stage call in fn(*args,
-    **kwargs), in program order, nested jits, custom_vjp bodies, scans and conds included."""
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive in PRIMITIVES:
-                calls.append((eqn.primitive, tuple(v.aval for v in eqn.invars), dict(eqn.params)))
-            for v in eqn.params.values():
-                for item in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if isinstance(item, ClosedJaxpr):
-                        walk(item.jaxpr)
-                    elif isinstance(item, Jaxpr):
-                        walk(item)
-
-    walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr)
-    return calls
+    **kwargs), in program order, nested bodies included."""
+    return [(e.primitive, tuple(v.aval for v in e.invars), dict(e.params))
+            for e in equations(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr) if e.primitive in PRIMITIVES]
 
 
 def op_names(fn: Callable, *args, **kwargs) -> set[str]:
