@@ -40,8 +40,7 @@ def print_vs_table(results) -> None:
     for r in results:
         q = r["q"]
         op = q.op
-        ok = {i.name: i for i in registry.all_of(op) if i.why_not(q) is None}
-        picked = dispatch._from_table(q, ok)
+        picked = dispatch.table_pick(q)
         if picked is None:
             continue
         name = picked[0]

@@ -203,6 +203,13 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
                   f"{best['cols']}]: {times} [{source}]")
 
 
+def table_pick(q: Query) -> tuple[str, str] | None:
+    """(implementation, reason) the measured table picks for q among the implementations
+    the automatic choice may take, or None (no table or no entry)."""
+    ok = {i.name: i for i in registry.all_of(q.op) if i.why_not_automatic(q) is None}
+    return _from_table(q, ok)
+
+
 # ---------------------------------------------------------- autotune cache ---
 
 _FORCED = threading.local()  # autotune pins (implementation, config) while it compiles
