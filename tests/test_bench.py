@@ -111,3 +111,13 @@ def test_specs_build_without_importing_the_op_modules():
     assert {"softmax", "softmax_mask", "relu", "batch_norm_add_relu"} <= set(names)
     assert bench.specs()["softmax_mask"].table_alias == ("softmax", "fwd_mask")
     assert bench.min_bytes("rms_norm", "fwd_res", 8, 16, 2) == bench.min_bytes("rms_norm", "fwd", 8, 16, 2)
+
+
+def test_two_output_op_gets_a_cotangent_per_result():
+    """add_layer_norm returns (y, h): its backward takes (dy, dh), and the records count
+    its bytes (read x, residual; write y, h)."""
+    recs = bench.run("add_layer_norm", rows=64, cols=96, dtype="f32", modes=("fwd", "fwd_bwd"),
+                     impls=("xla", "cuda"), repeats=2, verbose=False)
+    timed = [r for r in recs if r.impl in ("xla", "cuda")]
+    assert {r.mode for r in timed} == {"fwd", "fwd_bwd"} and all(r.time_us > 0 for r in timed)
+    assert bench.min_bytes("add_layer_norm", "fwd", 64, 96, "f32") == 4 * 64 * 96 * 4 + 2 * 96 * 4

@@ -41,6 +41,8 @@ class BenchSpec:
     view_cap: x is viewed as (rows // Q, Q, cols), Q = view_len(rows, cols, view_cap)
       (recorded in the JSON metadata).
     title: appended to its tables' titles.
+    outputs: how many (rows, cols) results the op returns (add+norm: y and h); the
+      backward then takes a cotangent for each.
     """
     make_inputs: Callable
     kernel: Callable
@@ -56,6 +58,7 @@ class BenchSpec:
     xla_summary: bool = False
     view_cap: int | None = None
     title: str = ""
+    outputs: int = 1
 
 
 def view_len(rows: int, cols: int, cap: int) -> int:

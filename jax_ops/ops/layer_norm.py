@@ -482,7 +482,7 @@ NORM_EPSILON = {"layer_norm": 1e-5, "rms_norm": 1e-6}  # jax_ops' defaults, used
 
 
 def layer_norm_specs() -> dict[str, BenchSpec]:
-    """Benchmarks of the layer_norm family: layer_norm, rms_norm."""
+    """Benchmarks of the layer_norm family: layer_norm, rms_norm, add_layer_norm, add_rms_norm."""
 
     def jnp_norm(op: str, eps: float) -> Callable:
         """Plain jax.numpy norm with float32 math, output in x's dtype."""
@@ -534,4 +534,42 @@ def layer_norm_specs() -> dict[str, BenchSpec]:
                          flax=lambda dtype: flax_norm(op, eps, dtype), num_params=n,
                          epsilon=eps, table_stages=("fwd", "bwd", "fwd_stats"))
 
-    return {"layer_norm": spec("layer_norm"), "rms_norm": spec("rms_norm")}
+    def add_spec(op: str) -> BenchSpec:
+        """add_layer_norm / add_rms_norm: params = (residual, scale[, bias]); results (y, h).
+        Baselines: XLA's fused h = x + residual, then the jnp / flax norm of h."""
+        norm_op = op[len("add_"):]
+        eps = NORM_EPSILON[norm_op]
+        n = 2 if norm_op == "layer_norm" else 1
+
+        def make_inputs(kx, ks, kb, dtype, rows, cols):
+            x, params = spec(norm_op).make_inputs(kx, ks, kb, dtype, rows, cols)
+            residual = jax.random.normal(jax.random.fold_in(kx, 1), (rows, cols), dtype)
+            return x, (residual, *params)
+
+        def kernel(impl):
+            if norm_op == "layer_norm":
+                return lambda x, r, scale, bias: add_layer_norm(
+                    x, r, scale, bias, epsilon=eps, implementation=impl)
+            return lambda x, r, scale: add_rms_norm(x, r, scale, epsilon=eps, implementation=impl)
+
+        def then_norm(norm):
+            def f(x, r, *p):
+                h = x + r
+                return norm(h, *p), h
+            return f
+
+        def nbytes(rows, cols, itemsize):
+            x, p = rows * cols * itemsize, cols * 4
+            s = rows * 4 * n
+            fwd = 4 * x + n * p                # read x, residual; write y, h
+            bwd = 4 * x + s + p + n * p        # read dy, dh, h; write dx (= dresidual)
+            return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd + s + bwd}
+
+        return BenchSpec(make_inputs=make_inputs, kernel=kernel, nbytes=nbytes,
+                         reference=lambda dtype: then_norm(jnp_norm(norm_op, eps)),
+                         flax=lambda dtype: then_norm(flax_norm(norm_op, eps, dtype)),
+                         num_params=n, epsilon=eps, table_stages=("fwd", "bwd", "fwd_stats"),
+                         outputs=2)
+
+    return {"layer_norm": spec("layer_norm"), "rms_norm": spec("rms_norm"),
+            "add_layer_norm": add_spec("add_layer_norm"), "add_rms_norm": add_spec("add_rms_norm")}
