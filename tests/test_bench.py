@@ -104,7 +104,7 @@ def test_measure_times_a_function_and_rotated_sets():
         bench.measure(jnp.tanh, x, sets=sets)
 
 
-def test_specs_build_without_importing_the_op_modules():
+def test_every_benchmark_has_a_spec_from_its_declaration():
     """Every benchmark of the CLI has a spec, whichever op modules import."""
     names = list(bench.specs())
     assert names[:2] == ["layer_norm", "rms_norm"]
