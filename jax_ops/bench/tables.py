@@ -66,9 +66,11 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
                for e in table["entries"]}
     entries.update(new)
     dev = jax.devices()[0]  # what core/dispatch.table_match matches a GPU on
-    cc = getattr(dev, "compute_capability", None)
+    if dev.device_kind == meta["device_kind"]:  # (not when merging a run's JSON elsewhere)
+        cc = getattr(dev, "compute_capability", None)
+        table.update(compute_capability=str(cc) if cc else None,
+                     sm_count=getattr(dev, "core_count", None))
     table.update(
-        compute_capability=str(cc) if cc else None, sm_count=getattr(dev, "core_count", None),
         command=meta["command"], date=meta["date"], git_commit=meta["git_commit"],
         jax_version=meta["jax_version"], timer=meta["timer"],
         note="median kernel time per call (us) of each implementation; written by "
