@@ -1145,8 +1145,11 @@ def test_implementation_none_is_the_automatic_choice(dtype):
 
 f32 = jnp.float32
 ERROR_CASES = [  # id, x, kwargs, exception, message regex
-    ("x_int32", jnp.ones((2, 8), jnp.int32), {}, TypeError, r"\bx\b"),
-    ("x_int8", jnp.ones((2, 8), jnp.int8), {}, TypeError, r"\bx\b"),
+    # integers are promoted (as jax.nn does: test_jax_nn_parity); complex is refused
+    ("x_complex64", jnp.ones((2, 8), jnp.complex64), {}, TypeError, r"\bx\b"),
+    ("where_float", jnp.ones((2, 8), f32), {"where": jnp.ones((2, 8), f32)}, TypeError, r"\bwhere\b"),
+    ("axis_tuple_repeated", jnp.ones((2, 8), f32), {"axis": (1, -1)}, ValueError, r"\baxis\b"),
+    ("axis_tuple_causal", jnp.ones((2, 3, 8), f32), {"axis": (1, 2), "causal": True}, ValueError, r"\bcausal\b"),
     ("mask_int32", jnp.ones((2, 8), f32), {"mask": jnp.ones((8,), jnp.int32)}, TypeError, r"\bmask\b"),
     ("mask_int8", jnp.ones((2, 8), f32), {"mask": jnp.ones((2, 8), jnp.int8)}, TypeError, r"\bmask\b"),
     ("mask_shape_bool", jnp.ones((2, 8), f32), {"mask": jnp.ones((3,), bool)}, ValueError,
@@ -1216,3 +1219,39 @@ def test_float64_x_rejected(op):
             _err_call(op, x)
         with pytest.raises(TypeError, match=r"\bx\b"):
             jax.jit(lambda x: _err_call(op, x))(x)
+
+
+# ------------------------------------------------------------ jax.nn parity ---
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+def test_jax_nn_parity(op, impl):
+    """where=, a tuple axis and integer logits behave as in jax.nn (values and gradients)."""
+    need(impl)
+    ours, ref = getattr(jax_ops, op), getattr(jax.nn, op)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, 4, 6)), jnp.float32)
+    where = jnp.asarray(rng.random((3, 1, 6)) < 0.7).at[:, :, 0].set(True)  # no empty row
+    full = jnp.asarray(rng.random((3, 4, 6)) < 0.6).at[0, 0].set(False)  # one fully masked row
+    cases = [
+        ("where", lambda f, x: f(x, where=where)),
+        ("where positional", lambda f, x: f(x, -1, where)),
+        ("where, fully masked row", lambda f, x: f(x, where=full)),
+        ("axis (1, 2)", lambda f, x: f(x, axis=(1, 2))),
+        ("axis (0, -1) + where", lambda f, x: f(x, axis=(0, -1), where=where)),
+        ("axis (-2,)", lambda f, x: f(x, axis=(-2,))),
+    ]
+    for name, call in cases:
+        got, want = call(lambda *a, **k: ours(*a, **k, implementation=impl), x), call(ref, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6, err_msg=name)
+        if "fully" in name:  # jax.nn's gradient through an all-masked row is not finite
+            continue
+        w = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+        loss = lambda f: lambda x: jnp.sum(jnp.where(jnp.isfinite(call(f, x)), call(f, x), 0.0) * w)  # noqa: E731
+        g_ours = jax.grad(loss(lambda *a, **k: ours(*a, **k, implementation=impl)))(x)
+        np.testing.assert_allclose(np.asarray(g_ours), np.asarray(jax.grad(loss(ref))(x)),
+                                   rtol=2e-5, atol=2e-6, err_msg=f"{name} gradient")
+    xi = jnp.asarray(rng.integers(-3, 4, (2, 5)), jnp.int32)
+    got = ours(xi, implementation=impl)
+    assert got.dtype == ref(xi).dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref(xi)), rtol=2e-6, atol=2e-6)

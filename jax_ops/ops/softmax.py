@@ -452,10 +452,32 @@ SOFTMAX = Op(
 
 # ------------------------------------------------------------- public API ---
 
-def _call(op, x, axis, scale, mask, causal, implementation):
+def _combine_where(x, mask, where):
+    """jax.nn's `where` (True = the entry takes part) folded into `mask`."""
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(f"where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
+    if mask is None:
+        return where
+    mask = jnp.asarray(mask)
+    if mask.dtype == jnp.bool_:
+        return mask & where
+    return jnp.where(where, mask, -jnp.inf).astype(mask.dtype)  # an additive mask: -inf out
+
+
+def _call(op, x, axis, scale, mask, causal, implementation, where=None):
     registry.check_name(op, implementation)
     x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        x = x.astype(jnp.float32)  # jax.nn promotes integer logits to the default float
     _check_x(op, x)
+    if where is not None:
+        try:
+            mask = _combine_where(x, mask, where)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"jax_ops.{op}: {e}") from None
+    if isinstance(axis, (tuple, list)):
+        return _over_axes(op, x, tuple(axis), scale, mask, causal, implementation)
     axis = _normalize_axis(op, axis, x.ndim)
     scale = _check_scale(op, scale)
     if not isinstance(causal, (bool, np.bool_)):
@@ -473,13 +495,39 @@ def _call(op, x, axis, scale, mask, causal, implementation):
                     mask_kind=_mask_kind(mask), implementation=implementation)[0]
 
 
-def softmax(x, axis: int = -1, *, scale: float | None = None, mask=None, causal: bool = False,
-            implementation: str | None = None):
+def _over_axes(op, x, axes, scale, mask, causal, implementation):
+    """A softmax over several axes (jax.nn's tuple axis): those axes moved last and
+    merged into one (a transposed copy; a mask is broadcast to x's shape)."""
+    norm = sorted({_normalize_axis(op, a, x.ndim) % x.ndim for a in axes})
+    if len(norm) != len(axes) or not axes:
+        raise ValueError(f"jax_ops.{op}: axis must name distinct axes; got {axes}")
+    if causal:
+        raise ValueError(f"jax_ops.{op}: causal=True needs one axis (the last); got axis {axes}")
+    if len(norm) == 1:
+        return _call(op, x, norm[0], scale, mask, causal, implementation)
+    rest = [i for i in range(x.ndim) if i not in norm]
+    perm = rest + norm
+    moved = jnp.transpose(x, perm)
+    merged = moved.shape[:len(rest)] + (math.prod(moved.shape[len(rest):]),)
+    if mask is not None:
+        mask = _prepare_mask(op, x, mask)
+        mask = jnp.transpose(jnp.broadcast_to(mask, x.shape), perm).reshape(merged)
+    y = _call(op, moved.reshape(merged), -1, scale, mask, False, implementation)
+    return jnp.transpose(y.reshape(moved.shape), np.argsort(perm))
+
+
+def softmax(x, axis: int | tuple[int, ...] = -1, where=None, *, scale: float | None = None,
+            mask=None, causal: bool = False, implementation: str | None = None):
     """Softmax of x * scale along `axis`, with an optional mask; like jax.nn.softmax.
 
     Args:
-      x: float32, bfloat16 or float16 array, rank >= 1.
-      axis: the axis to normalize over (any; the kernels prefer the last).
+      x: float32, bfloat16 or float16 array, rank >= 1 (integers are promoted to
+        float32, as jax.nn does).
+      axis: the axis to normalize over (any; the kernels prefer the last), or a tuple of
+        axes (normalized together, as jax.nn does: they are moved last and merged, a
+        transposed copy).
+      where: like jax.nn's: a bool array broadcastable to x, True = the entry takes part;
+        the others give 0 (log_softmax: -inf) and get no gradient. Combined with `mask`.
       scale: a real number multiplying the logits first (e.g. 1/sqrt(head_dim)).
       mask: bool array (True = keep) or floating array added to the scaled logits,
         broadcastable to x. A floating mask gets a gradient.
@@ -491,14 +539,14 @@ def softmax(x, axis: int = -1, *, scale: float | None = None, mask=None, causal:
     Math runs in float32; the result has x's dtype. Rows with every logit masked
     give zeros (not NaN).
     """
-    return _call("softmax", x, axis, scale, mask, causal, implementation)
+    return _call("softmax", x, axis, scale, mask, causal, implementation, where)
 
 
-def log_softmax(x, axis: int = -1, *, scale: float | None = None, mask=None,
-                causal: bool = False, implementation: str | None = None):
+def log_softmax(x, axis: int | tuple[int, ...] = -1, where=None, *, scale: float | None = None,
+                mask=None, causal: bool = False, implementation: str | None = None):
     """LogSoftmax of x * scale along `axis`; same arguments as `softmax`. Masked
     entries, and every entry of fully masked rows, are -inf (their gradient is 0)."""
-    return _call("log_softmax", x, axis, scale, mask, causal, implementation)
+    return _call("log_softmax", x, axis, scale, mask, causal, implementation, where)
 
 
 # ------------------------------------------------------------- softmax family: benchmark specs (jax_ops.bench) ---
