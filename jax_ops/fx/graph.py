@@ -37,7 +37,20 @@ def aval_str(aval) -> str:
     return f"{_dtype_name(aval.dtype)}[{','.join(str(d) for d in shape)}]"
 
 
-class Value:
+class _Typed:
+    """shape and dtype from `aval` (Values and Literals)."""
+    __slots__ = ()
+
+    @property
+    def shape(self):
+        return tuple(self.aval.shape)
+
+    @property
+    def dtype(self):
+        return self.aval.dtype
+
+
+class Value(_Typed):
     """A variable of the graph: a graph input, a closed-over constant (`const` holds
     its value) or a node's result."""
     __slots__ = ("aval", "name", "producer", "index", "users", "const", "is_const", "__weakref__")
@@ -47,32 +60,16 @@ class Value:
         self.users: list[Node] = []
         self.const, self.is_const = const, is_const
 
-    @property
-    def shape(self):
-        return tuple(self.aval.shape)
-
-    @property
-    def dtype(self):
-        return self.aval.dtype
-
     def __repr__(self):
         return f"{self.name}:{aval_str(self.aval)}"
 
 
-class Literal:
+class Literal(_Typed):
     """A literal operand (a scalar written into the jaxpr, e.g. epsilon)."""
     __slots__ = ("value", "aval")
 
     def __init__(self, value, aval):
         self.value, self.aval = value, aval
-
-    @property
-    def shape(self):
-        return tuple(self.aval.shape)
-
-    @property
-    def dtype(self):
-        return self.aval.dtype
 
     def __repr__(self):
         v = np.asarray(self.value)
