@@ -35,7 +35,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -157,8 +156,8 @@ class Stage:
     roles: {operand or result name: sharding role} (core/sharding.py); with `local`,
       `needs_local`, `policy`, `axis`: the partitioning rules. None: not partitioned.
       local(layout, mesh, *operands or None, **params) -> results (None where absent);
-      it also gets `implementation` where it has a parameter of that name (a local that
-      binds a stage, e.g. BatchNorm's kernel pass with the global statistics).
+      it also gets `implementation`, for a local that binds a stage (BatchNorm's kernel
+      pass with the global statistics).
     variant(params): a flavour the measured tables time separately ("stats", "mask").
     query_shape(x's shape, params): the (rows..., cols) shape the dispatcher sees.
     """
@@ -178,8 +177,6 @@ class Stage:
         self.batch_rule = batch
         self.roles, self.local, self.needs_local, self.policy, self.axis = (
             roles, local, needs_local, policy, axis)
-        # a local that binds a stage (not only jnp) names the implementation to bind with
-        self.local_binds = local is not None and "implementation" in inspect.signature(local).parameters
         self.variant, self.query_shape = variant, query_shape
         self.prim = self._define()
 
@@ -253,11 +250,9 @@ class Stage:
     def _rules(self, present, out_present) -> _sharding.Rules:
         roles_in = tuple(self.roles[n] for n, p in zip(self.operands, present) if p)
         roles_out = tuple(self.roles[n] for n, p in zip(self.results, out_present) if p)
-        def per_device(layout, mesh, *shards, present, implementation, **params):
-            if self.local_binds:
-                params["implementation"] = implementation
-            outs = self.local(layout, mesh, *_fill(shards, present), **params)
-            return _present_only(outs)
+
+        def per_device(layout, mesh, *shards, present, **params):
+            return _present_only(self.local(layout, mesh, *_fill(shards, present), **params))
         return _sharding.Rules(ins=lambda p: roles_in, outs=lambda p: roles_out, axis=self.axis,
                                policy=self.policy, needs_local=self.needs_local,
                                local=per_device if self.local is not None else None)

@@ -159,7 +159,7 @@ def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, tra
     return y, mask, mean, var, rstd
 
 
-def _bwd_local(layout, mesh, *args, **params):
+def _bwd_local(layout, mesh, *args, implementation, **params):
     def col_sums(arrays):
         return jax.lax.psum(tuple(jnp.sum(a, axis=_row_axes(a)) for a in arrays), layout.row_axes)
     return _bwd_reference(*args, col_sums=col_sums, total_rows=_global_rows(layout), **params)

@@ -161,7 +161,7 @@ def _hidden_sharded(layout, params):
     return bool(layout.col_axes)
 
 
-def _fwd_local(layout, mesh, x, residual, scale, bias, **params):
+def _fwd_local(layout, mesh, x, residual, scale, bias, *, implementation, **params):
     """Per device, the normalized axis sharded: per-row partial sums psum'ed over the
     column axes (O(rows) data), then the local columns normalized (jnp)."""
     def row_sums(*a):
@@ -169,7 +169,7 @@ def _fwd_local(layout, mesh, x, residual, scale, bias, **params):
     return _fwd_reference(x, residual, scale, bias, row_sums=row_sums, cols=layout.shape[-1], **params)
 
 
-def _bwd_local(layout, mesh, dy, dh, x, mean, rstd, scale, **params):
+def _bwd_local(layout, mesh, dy, dh, x, mean, rstd, scale, *, implementation, **params):
     """Per device, the normalized axis sharded: Σg·x̂ and Σg per row psum'ed over the
     column axes (one collective), dscale/dbias psum'ed over the row axes."""
     rows = tuple(range(x.ndim - 1))

@@ -254,7 +254,7 @@ def _global_index(layout, dim, local):
     return i
 
 
-def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind):
+def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, implementation):
     causal_at = None
     if causal:
         nd = x.ndim
@@ -265,7 +265,7 @@ def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind):
                           mask_kind=mask_kind, reduce=_reducer(layout, axis), causal_at=causal_at)
 
 
-def _bwd_local(layout, mesh, y, dy, *, axis, scale, log):
+def _bwd_local(layout, mesh, y, dy, *, axis, scale, log, implementation):
     reduce = _reducer(layout, axis)
     return ((scale * _logit_grad(y, dy, axis, log, lambda a: reduce("sum", a))).astype(y.dtype),)
 
