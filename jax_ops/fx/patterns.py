@@ -48,7 +48,11 @@ class Pattern:
     `out_dtype`, the matched result's dtype); example_args: argument sets to trace
     the formulations at (tuples of jax.ShapeDtypeStruct or None), covering the
     structures to look for; params: literal parameter names -> default;
-    accepts(avals) -> None or the reason the replacement can't take these inputs."""
+    accepts(avals) -> None or the reason the replacement can't take these inputs;
+    specialize(graph_args, avals, params) -> extra params for the replacement (facts
+    read from the graph, e.g. a constant causal mask) or the reason not to replace;
+    decide(avals, params) -> None or why policy="auto" keeps the original (default:
+    jax_ops.explain of the replacement picks one of our kernels)."""
     name: str
     formulations: Sequence[Formulation]
     replacement: Callable
@@ -56,6 +60,8 @@ class Pattern:
     params: dict = dataclasses.field(default_factory=dict)
     accepts: Callable[[list], str | None] = lambda avals: None
     note: str = ""
+    specialize: Callable | None = None
+    decide: Callable | None = None
     _templates: list | None = dataclasses.field(default=None, repr=False)
     _by_anchor: dict | None = dataclasses.field(default=None, repr=False)
 
@@ -492,7 +498,8 @@ def builtin_patterns() -> list[Pattern]:
     softmax before the plain one)."""
     global _BUILTIN
     if _BUILTIN is None:
-        _BUILTIN = [_layer_norm_pattern(), _rms_norm_pattern(),
+        from jax_ops.fx.attention import attention_patterns
+        _BUILTIN = [*attention_patterns(), _layer_norm_pattern(), _rms_norm_pattern(),
                     _softmax_pattern(True, True), _softmax_pattern(True, False),
                     _softmax_pattern(False, True), _softmax_pattern(False, False),
                     _add_relu_pattern(), _relu_pattern()]

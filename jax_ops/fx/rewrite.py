@@ -185,6 +185,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
     claimed: set = set()
     considered: set = set()  # nodes of verified candidates: their bodies are not searched
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
+    failures: list = []  # (record, anchor, stage, nodes) of near misses
     for pattern in patterns:
         by_anchor = pattern.templates_by_anchor()
         for node in reversed(graph.nodes):
@@ -210,6 +211,13 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     continue
                 reason = M.escaping_intermediate(v, graph)
                 params = {**cand.params, **v.static}
+                if reason is None and pattern.specialize is not None:
+                    facts = pattern.specialize([cand.args.get(i) for i in range(len(avals))],
+                                               avals, params)
+                    if isinstance(facts, str):
+                        reason = facts
+                    else:
+                        params.update(facts)
                 m = Match(pattern, [cand.args.get(i) for i in range(len(avals))], params,
                           t.output.index, np.dtype(v.out_aval.dtype), v.nodes, t.formulation)
                 if reason is None and frozen:
@@ -217,8 +225,10 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 if reason is None:
                     reason = _replacement_refuses(m, avals, v.out_aval)
                 if reason is None and policy == "auto":
-                    reason = _not_faster(m, avals)
-                rec = _record(pattern, t, node, cand.params, v.nodes, reason, context)
+                    reason = (pattern.decide(avals, params) if pattern.decide is not None
+                              else _not_faster(m, avals))
+                shown = {k: v for k, v in params.items() if k in cand.params or k == "is_causal"}
+                rec = _record(pattern, t, node, shown, v.nodes, reason, context)
                 if reason is None:
                     plan.anchors[node] = m
                     plan.skip.update(n for n in v.nodes if n is not node)
@@ -228,11 +238,22 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     break
                 failure = _later(failure, (3, cand, reason, set(v.nodes)))
             if failure is not None:
-                _, cand, reason, nodes = failure
+                stage, cand, reason, nodes = failure
                 if not any(name == pattern.name and nodes <= other for name, other in failed):
                     failed.append((pattern.name, nodes))
-                    records.append(_record(pattern, cand.template, node, cand.params,
-                                           sorted(nodes, key=lambda n: n.index), reason, context))
+                    rec = _record(pattern, cand.template, node, cand.params,
+                                  sorted(nodes, key=lambda n: n.index), reason, context)
+                    records.append(rec)
+                    failures.append((rec, node, stage, nodes))
+    # Near misses superseded by a replacement at the same anchor under the same name
+    # (attention has several Pattern objects), or by a near miss of that name that
+    # covers more of the graph (it got further).
+    replaced_at = {(plan.anchors[n].pattern.name, n) for n in plan.anchors}
+    for rec, node, _, nodes in failures:
+        covered = any(o is not rec and o.pattern == rec.pattern and nodes < o_nodes
+                      for o, _, _, o_nodes in failures)
+        if covered or (rec.pattern, node) in replaced_at:
+            records.remove(rec)
     # Bodies: rewritten in place where the primitive can be re-issued, reported otherwise.
     for node in graph.nodes:
         if node in claimed or node in considered or not node.subgraphs:

@@ -1,0 +1,143 @@
+"""jax_ops.optimize on models we did not write, installed from PyPI at the versions
+pinned in the test extra: Hugging Face transformers' Flax GPT-2 (decoder LM), BERT
+(encoder) and ResNet, and dm-haiku's ResNet and MLP. Tiny sizes, CPU, policy="always":
+every verified match is replaced, and the rewritten model agrees with the original in
+outputs, gradients and (ResNet) BatchNorm state."""
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ops
+from jax_ops import fx
+
+transformers = pytest.importorskip("transformers")
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def _replaced(fn, *args):
+    recs = fx.rewrites(fn, *args, policy="always")
+    return collections.Counter(r.pattern for r in recs if r.replaced), recs
+
+
+def _tree_close(a, b, rtol):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    scale = max(float(np.abs(np.asarray(x, np.float64)).max()) for x in lb)
+    for x, y in zip(la, lb):  # relative to the largest leaf: some are exactly 0 in math
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
+                                   rtol=rtol, atol=rtol * scale)
+
+
+def test_hf_gpt2_lm_loss_and_grads():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=61)
+    model = transformers.FlaxGPT2LMHeadModel(cfg, input_shape=(1, 16), seed=0)
+    ids = jax.random.randint(jax.random.key(0), (2, 16), 0, 61)
+
+    def loss(params, ids):
+        logits = model(ids, params=params).logits
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+    counts, recs = _replaced(loss, model.params, ids)
+    # 2 blocks x (ln_1, ln_2) + ln_f; attention with the causal mask HF builds; log_softmax
+    assert counts["layer_norm"] == 5 and counts["attention"] == 2, recs
+    assert all(r.params.get("is_causal") for r in recs if r.pattern == "attention")
+    fast = jax_ops.optimize(loss, policy="always")
+    assert _rel(jax.jit(fast)(model.params, ids), loss(model.params, ids)) < 1e-5
+    _tree_close(jax.jit(jax.grad(fast))(model.params, ids), jax.grad(loss)(model.params, ids), 1e-4)
+
+
+def test_hf_bert_encoder():
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=32)
+    model = transformers.FlaxBertModel(cfg, input_shape=(1, 12), seed=0)
+    ids = jax.random.randint(jax.random.key(1), (2, 12), 0, 50)
+    padded = jnp.array([[1] * 12, [1] * 8 + [0] * 4])
+
+    def encode(params, ids):  # no attention_mask: HF's all-ones mask, a constant
+        return model(ids, params=params).last_hidden_state
+
+    def encode_padded(params, ids, padded):  # a padding mask from an input: attention kept
+        return model(ids, attention_mask=padded, params=params).last_hidden_state
+
+    counts, recs = _replaced(encode, model.params, ids)
+    assert counts["layer_norm"] == 5 and counts["attention"] == 2, recs  # embeddings + 2x2
+    assert not any(r.params.get("is_causal") for r in recs if r.pattern == "attention")
+    fast = jax_ops.optimize(encode, policy="always")
+    assert _rel(jax.jit(fast)(model.params, ids), encode(model.params, ids)) < 1e-5
+
+    counts, recs = _replaced(encode_padded, model.params, ids, padded)
+    assert counts["attention"] == 0 and counts["layer_norm"] == 5, recs
+    kept = [r for r in recs if r.pattern == "attention"]
+    assert kept and all("computed from inputs" in r.reason for r in kept), kept
+    fast = jax_ops.optimize(encode_padded, policy="always")
+    assert _rel(jax.jit(fast)(model.params, ids, padded), encode_padded(model.params, ids, padded)) < 1e-5
+
+
+def test_hf_resnet_training_and_inference():
+    cfg = transformers.ResNetConfig(depths=[1, 1], hidden_sizes=[16, 32], embedding_size=8,
+                                    layer_type="bottleneck", num_labels=5)
+    model = transformers.FlaxResNetForImageClassification(cfg, input_shape=(1, 16, 16, 3), seed=0)
+    x = jax.random.normal(jax.random.key(2), (2, 3, 16, 16))
+    params, stats = model.params["params"], model.params["batch_stats"]
+
+    def train(params, stats, x):
+        out, new = model(x, params={"params": params, "batch_stats": stats}, train=True)
+        return jnp.sum(out.logits ** 2), new["batch_stats"]
+
+    def infer(params, stats, x):
+        return model(x, params={"params": params, "batch_stats": stats}, train=False).logits
+
+    counts, recs = _replaced(train, params, stats, x)
+    assert sum(counts.values()) > 0, recs
+    fast = jax_ops.optimize(train, policy="always")
+    (l1, s1), g1 = jax.value_and_grad(fast, has_aux=True)(params, stats, x)
+    (l2, s2), g2 = jax.value_and_grad(train, has_aux=True)(params, stats, x)
+    assert _rel(l1, l2) < 1e-5
+    _tree_close(s1, s2, 1e-5)
+    _tree_close(g1, g2, 1e-4)
+    counts, recs = _replaced(infer, params, stats, x)
+    assert sum(counts.values()) > 0, recs
+    fast = jax_ops.optimize(infer, policy="always")
+    assert _rel(jax.jit(fast)(params, stats, x), infer(params, stats, x)) < 1e-5
+
+
+def test_haiku_resnet_and_mlp():
+    hk = pytest.importorskip("haiku")
+
+    def net(x, is_training):
+        return hk.nets.ResNet18(10, resnet_v2=False)(x, is_training=is_training)
+    model = hk.transform_with_state(net)
+    x = jax.random.normal(jax.random.key(3), (2, 16, 16, 3))
+    params, state = model.init(jax.random.key(0), x, True)
+
+    def train(params, state, x):
+        y, new = model.apply(params, state, None, x, True)
+        return jnp.sum(y ** 2), new
+
+    counts, recs = _replaced(train, params, state, x)
+    assert counts["add_relu"] >= 8, recs  # the blocks' relu(bn(conv) + shortcut)
+    fast = jax_ops.optimize(train, policy="always")
+    (l1, s1), g1 = jax.value_and_grad(fast, has_aux=True)(params, state, x)
+    (l2, s2), g2 = jax.value_and_grad(train, has_aux=True)(params, state, x)
+    assert _rel(l1, l2) < 1e-5
+    _tree_close(s1, s2, 1e-5)
+    _tree_close(g1, g2, 1e-4)
+
+    def mlp(x):
+        return hk.Sequential([hk.Linear(16), jax.nn.relu, hk.Linear(4),
+                              lambda h: jax.nn.log_softmax(h)])(x)
+    m = hk.without_apply_rng(hk.transform(mlp))
+    xs = jax.random.normal(jax.random.key(4), (3, 8))
+    p = m.init(jax.random.key(0), xs)
+    counts, recs = _replaced(m.apply, p, xs)
+    assert counts["log_softmax"] == 1 and counts["add_relu"] + counts["relu"] == 1, recs
+    fast = jax_ops.optimize(m.apply, policy="always")
+    assert _rel(fast(p, xs), m.apply(p, xs)) < 1e-6
