@@ -627,12 +627,47 @@ def test_gpu_profile_on_the_gpu():
         return jnp.sin(y) * 2
     x = jax.random.normal(jax.random.key(0), (512, 512))
     prof = fx.profile(f, x, x)
-    assert "CUPTI" in prof.method, prof.method
+    assert "profiler trace" in prof.method or "CUPTI" in prof.method, prof.method
     assert prof.total_us > 0 and all(r.time_us > 0 for r in prof.rows)
     matmuls = [r for r in prof.rows if r.kind == "matmul"]
     first = f.__code__.co_firstlineno
     # every kernel of the product, cuBLAS's included, maps to the line of `x @ w`
     assert matmuls and all(r.location.endswith(f"test_fx.py:{first + 1}") for r in matmuls), str(prof)
+
+
+def test_profile_rows_from_trace_events():
+    """The trace path's attribution: each kernel event names its HLO instruction."""
+    import importlib
+    prof_mod = importlib.import_module("jax_ops.fx.profile")
+    meta = {"custom-call.3": {"location": "model.py:7", "op_name": "jit(f)/ln/ffi_call",
+                              "custom_call_target": "jax_ops_layer_norm_bwd"},
+            "fusion.1": {"location": "model.py:9", "op_name": "jit(f)/mul"}}
+    events = [("_ZN7jax_ops4norm10bwd_kernel", 4000, {"hlo_op": "custom-call.3"}),
+              ("_ZN7jax_ops4norm15reduce_partials", 1000, {"hlo_op": "custom-call.3"}),
+              ("loop_multiply_fusion", 2000, {"hlo_op": "fusion.1"}),
+              ("memcpy", 500, {})] * 2  # two runs
+    rows = {r.location: r for r in prof_mod.rows_from_trace(events, meta, repeat=2)}
+    assert rows["model.py:7"].time_us == pytest.approx(5.0) and rows["model.py:7"].count == 2
+    assert rows["model.py:7"].kind.startswith("jax_ops")
+    assert rows["model.py:9"].time_us == pytest.approx(2.0)
+    assert prof_mod.rows_from_trace(events[3:4], meta, 1) is None  # no tags: CUPTI fallback
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="profiler trace on the GPU")
+def test_gpu_profile_attributes_custom_call_kernels():
+    """Our FFI kernels (two per LayerNorm backward) and cuBLAS's land on their own
+    lines, whatever the number of kernels a custom call launches."""
+    def f(x, w, s):
+        h = x @ w
+        y = jax_ops.layer_norm(h, s, implementation="cuda")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+    x = jax.random.normal(jax.random.key(0), (4096, 1024), jnp.bfloat16)
+    s = jnp.ones((1024,), jnp.float32)
+    prof = fx.profile(jax.grad(f, argnums=(0, 1, 2)), x, x[:1024], s)
+    first = f.__code__.co_firstlineno
+    ours = [r for r in prof.rows if r.kind.startswith("jax_ops")]
+    assert ours and all(r.location.endswith(f"test_fx.py:{first + 2}") for r in ours), str(prof)
+    assert "profiler trace" in prof.method, prof.method
 
 
 def test_every_autodiff_mode_through_a_rewrite():

@@ -5,11 +5,12 @@ a time, each blocked until ready, after a warm-up run (so compilation of each
 primitive is not counted); nested calls (jit, custom_jvp/vjp, control flow) are one
 row each, or descended into their bodies with descend=True.
 
-GPU: fn is compiled once and its kernels are timed with CUPTI through
-jax.experimental.mosaic.gpu.profiler.measure(aggregate=False), which returns
-(kernel name, ms) per launched kernel; each kernel is mapped back to the HLO
-instruction of the same name and that instruction's metadata (op_name,
-source_file:source_line).
+GPU: fn is compiled once and run under jax.profiler's trace; XLA tags each kernel
+event with the HLO instruction that launched it ("hlo_op"; library and FFI kernels of
+custom calls too), which maps it to that instruction's metadata (op_name,
+source_file:source_line). Where the trace has no tags, the kernels are timed with
+CUPTI through jax.experimental.mosaic.gpu.profiler.measure(aggregate=False) and
+mapped by kernel name, and custom calls' kernels by program order (best effort).
 """
 from __future__ import annotations
 
@@ -237,11 +238,81 @@ def _family(name: str) -> str:
     return "other"
 
 
+def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
+    """Rows from profiler-trace kernel events [(kernel name, ns, {stat: value})]: XLA
+    tags each kernel it launches with the HLO instruction (stat "hlo_op"), custom
+    calls' library and FFI kernels included, so the attribution is exact. None when
+    no event carries the tag (then the CUPTI mapping by name and order is used)."""
+    groups: dict = defaultdict(lambda: [0, 0.0, set()])
+    tagged = False
+    for kernel, ns, stats in events:
+        instr = stats.get("hlo_op")
+        if not instr:
+            continue
+        tagged = True
+        fields = meta.get(instr, {})
+        loc = fields.get("location") or fields.get("op_name") or f"(instruction {instr})"
+        kind = _kernel_kind(kernel, instr, fields.get("op_name", ""),
+                            fields.get("custom_call_target", ""))
+        g = groups[(loc, kind, fields.get("op_name", ""))]
+        g[0] += 1
+        g[1] += ns / 1e3
+        g[2].add(kernel)
+    if not tagged:
+        return None
+    return [Row(loc, kind, max(1, round(c / repeat)), us / repeat, name=",".join(sorted(n)), module=op)
+            for (loc, kind, op), (c, us, n) in groups.items()]
+
+
+def _trace_events(compiled, args, kwargs, repeat: int, module: str) -> list:
+    """Kernel events of `repeat` runs of `compiled` under jax.profiler.trace: (name,
+    duration ns, stats) from the GPU planes, for this module's kernels."""
+    import glob
+    import os
+    import tempfile
+    jax.block_until_ready(compiled(*args, **kwargs))  # warm
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(repeat):
+                jax.block_until_ready(compiled(*args, **kwargs))
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            return []
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                stats = {k: v for k, v in ev.stats}
+                mod = str(stats.get("hlo_module", ""))
+                if mod and module and not mod.startswith(module):
+                    continue
+                events.append((ev.name, ev.duration_ns, stats))
+    return events
+
+
 def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
-    from jax.experimental.mosaic.gpu import profiler
     jitted = jax.jit(fn)
     compiled = jitted.lower(*args, **kwargs).compile()
     meta, custom_calls = hlo_metadata(compiled.as_text())
+    try:
+        module = re.search(r"HloModule\s+([\w.\-]+)", compiled.as_text()).group(1)
+        rows = rows_from_trace(_trace_events(compiled, args, kwargs, repeat, module), meta, repeat)
+    except Exception:  # no profiler plugin / trace format: the CUPTI mapping below
+        rows = None
+    if rows:
+        return Profile(rows, sum(r.time_us for r in rows),
+                       f"profiler trace (kernels tagged with their HLO instruction), mean of {repeat}")
+    return _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat)
+
+
+def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> Profile:
+    from jax.experimental.mosaic.gpu import profiler
     by_sanitized = {re.sub(r"[^\w]", "_", k): k for k in meta}
     # Kernels not named after an instruction (cuBLAS, our FFI and Pallas kernels) are
     # launched by custom calls: each goes to the next custom call of its family in
