@@ -116,17 +116,19 @@ void fwd_cpu(const FwdArgs& a) {
       if (keep == nullptr || keep[c]) m = max_f(m, z[c]);  // a NaN reaches s, hence the row's outputs
     }
     const float ms = safe_max(m);
-    float s = 0.f, sum_z = 0.f, n = 0.f;
+    // Double accumulators: a sequential float32 sum over 262144 terms would lose about
+    // 1e-5 of its value (the GPU's tree of per-thread sums does not).
+    double s = 0.0, sum_z = 0.0, n = 0.0;
     for (int64_t c = 0; c < a.cols; ++c) {
       if (keep != nullptr && !keep[c]) continue;
       s += row_exp(z[c], ms);
       sum_z += z[c];
-      n += 1.f;
+      n += 1.0;
     }
     const int32_t label = a.labels[r];
     const bool in_range = label_in_range(label, a.cols);
     const float zl = in_range ? z[label] : NAN;
-    const RowOut out = finish_row(m, s, sum_z, n, zl, a.weight[r], a.label_smoothing, a.z_loss);
+    const RowOut out = finish_row(m, float(s), float(sum_z), float(n), zl, a.weight[r], a.label_smoothing, a.z_loss);
     a.loss[r] = out.loss;
     a.lse[r] = out.lse;
     if (dx == nullptr) continue;

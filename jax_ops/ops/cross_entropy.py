@@ -422,16 +422,18 @@ def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=Non
         where = jnp.asarray(where)
         if where.dtype != jnp.bool_:
             raise TypeError(f"jax_ops.{OP}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
-        if where.ndim != logits.ndim:  # as optax: a per-example where gets the class axes back
-            where = jnp.expand_dims(where, axis if isinstance(axis, int) else tuple(axis))
+        given = tuple(where.shape)
         try:
+            if where.ndim != logits.ndim:  # as optax: a per-example where gets the class axes back
+                where = jnp.expand_dims(where, axis if isinstance(axis, int) else tuple(axis))
             ok = where.ndim == logits.ndim and np.broadcast_shapes(where.shape, logits.shape) == logits.shape
         except ValueError:
             ok = False
         if not ok:
             expect = tuple(logits.shape[i] for i in range(logits.ndim) if i not in axes)
-            raise ValueError(f"jax_ops.{OP}: where must broadcast to labels' shape {expect} or to "
-                             f"logits' shape {tuple(logits.shape)}; got shape {tuple(jnp.shape(where))}")
+            raise ValueError(f"jax_ops.{OP}: where must broadcast to labels' shape {expect} (one flag "
+                             f"per example) or, with logits' rank, to logits' shape "
+                             f"{tuple(logits.shape)} (one per class); got shape {given}")
     logits, where = _move_classes_last(logits, where, axes)
     expect = tuple(logits.shape[:-1])
     if tuple(labels.shape) != expect:
