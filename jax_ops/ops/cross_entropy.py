@@ -139,10 +139,10 @@ def _fwd_reference(logits, labels, weight, mask, *, label_smoothing, z_loss, wit
     s_safe = jnp.where(live, s, 1.0)  # keeps NaN out of the derivatives of dead rows
     log_s = jnp.where(live, jnp.log(s_safe), -jnp.inf)
     lse = shift + log_s
-    local = labels - col0
-    here = (local >= 0) & (local < logits.shape[-1])
-    z_lab = jnp.take_along_axis(z, jnp.clip(local, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-    z_lab = psum(jnp.where(here, z_lab, 0.0))
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    # A select and a row sum, not a gather: fused into the row's reductions, and with the
+    # vocabulary sharded the device holding the label's column contributes it.
+    z_lab = psum(jnp.sum(jnp.where(cols == labels[..., None], z, 0.0), axis=-1))
     z_lab = jnp.where((labels >= 0) & (labels < V), z_lab, jnp.nan)
     loss = (shift - z_lab) + log_s
     n = None
@@ -164,7 +164,6 @@ def _fwd_reference(logits, labels, weight, mask, *, label_smoothing, z_loss, wit
         p = e / s_safe[..., None]
         if zl > 0.0:
             p = p * (1.0 + 2.0 * zl * jnp.where(live, lse, 0.0))[..., None]
-        cols = col0 + jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
         d = p - jnp.where(cols == labels[..., None], 1.0 - ls, 0.0)
         if ls > 0.0:
             step = jnp.where(n > 0, ls / jnp.maximum(n, 1.0), 0.0)
