@@ -663,3 +663,125 @@ def test_sharded_equals_unsharded(spec, impl):
                                rtol=2e-6, atol=1e-8)
     for kind, sizes in _collectives(f, xs, ls):
         assert kind == "all-reduce" and all(n <= 32 for n in sizes), (kind, sizes)
+
+
+# --------------------------------------------------- linear_cross_entropy ---
+
+LCE = "linear_cross_entropy"
+
+
+def lce_ref(h, w, labels, *, bias=None, transposed_w=False, ct=None, **kw):
+    """(loss, dh, dw, dbias) in float64 from the float64 logits h @ w + bias."""
+    h64, w64 = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    wm = w64.T if transposed_w else w64
+    logits = h64 @ wm + (0.0 if bias is None else np.asarray(bias, np.float64))
+    loss, g = ref(logits, labels, ct=ct, **kw)
+    dh = g @ wm.T
+    dwm = h64.reshape(-1, h64.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+    return loss, dh, (dwm.T if transposed_w else dwm), (None if bias is None else g.reshape(-1, g.shape[-1]).sum(0))
+
+
+def run_lce(h, w, labels, impl, ct=None, bias=None, **kw):
+    def f(h, w, bias):
+        return jax_ops.linear_cross_entropy(h, w, labels, bias=bias, implementation=impl, **kw)
+    loss, vjp = jax.vjp(f, h, w, bias)
+    ct = jnp.ones(loss.shape, jnp.float32) if ct is None else jnp.asarray(ct, jnp.float32)
+    return (loss,) + tuple(vjp(ct))
+
+
+LCE_CASES = {
+    "mean": dict(reduction="mean"),
+    "sum_bias_transposed": dict(reduction="sum", bias=True, transposed_w=True),
+    "none_options": dict(label_smoothing=0.1, z_loss=1e-3, ignore_index=-100),
+    "mean_where_class": dict(reduction="mean", where="class", bias=True),
+    "none_where_row_transposed": dict(where="row", transposed_w=True),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", sorted(LCE_CASES))
+def test_linear_cross_entropy(case, dtype, impl):
+    """Loss and gradients of h, w, bias against float64, over several chunks with a
+    padded last one (37 rows in chunks of 8)."""
+    need(impl)
+    kw = dict(LCE_CASES[case])
+    rng = np.random.default_rng(seed_of("lce" + case + dtype))
+    N, d, V = 37, 24, 67
+    h = jnp.asarray(rng.standard_normal((N, d)), dtype)
+    w = jnp.asarray(rng.standard_normal((V, d) if kw.get("transposed_w") else (d, V)) * 0.4, dtype)
+    labels = make_labels(rng, (N,), V).at[5].set(-100).at[30].set(-100)
+    bias = jnp.asarray(rng.standard_normal(V), jnp.float32) if kw.pop("bias", False) else None
+    where = kw.pop("where", None)
+    if where == "row":
+        kw["where"] = jnp.asarray(rng.random(N) > 0.3)
+    elif where == "class":
+        kw["where"] = jnp.asarray(rng.random((1, V)) > 0.2)
+    if "ignore_index" not in kw:
+        labels = labels.at[5].set(1).at[30].set(2)
+    ct = rng.standard_normal(N) if kw.get("reduction", "none") == "none" else 1.3
+    loss, dh, dw, db = run_lce(h, w, labels, impl, ct, bias=bias, chunk_rows=8, **kw)
+    rl, rdh, rdw, rdb = lce_ref(h, w, labels, bias=bias, ct=ct, **kw)
+    # bfloat16: the logits are rounded to bfloat16 before the loss (as h @ w would be)
+    tol = dict(loss=LOSS_TOL if dtype == "float32" else 1e-2, grad=GRAD_TOL[dtype] * 3)
+    assert_close("loss", loss, rl, tol["loss"])
+    assert dh.dtype == h.dtype and dw.dtype == w.dtype
+    assert_close("dh", dh, rdh, tol["grad"])
+    assert_close("dw", dw, rdw, tol["grad"])
+    if bias is not None:
+        assert db.dtype == bias.dtype
+        assert_close("dbias", db, rdb, tol["grad"])
+
+
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_linear_cross_entropy_never_makes_the_logits(impl):
+    """No array of the full logits' size in the gradient's jaxpr (only chunks); the
+    default chunk and an explicit one agree; leading axes and all-ignored batches."""
+    need(impl)
+    rng = np.random.default_rng(seed_of("lce_chunks"))
+    N, d, V = 256, 16, 96
+    h = jnp.asarray(rng.standard_normal((4, N // 4, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, V)) * 0.3, jnp.float32)
+    labels = make_labels(rng, (4, N // 4), V)
+
+    def f(h, w, chunk=64):
+        return jax_ops.linear_cross_entropy(h, w, labels, reduction="mean", chunk_rows=chunk,
+                                            implementation=impl)
+    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(h, w)
+    from jax_ops.core.calls import equations
+    sizes = [np.prod(v.aval.shape) for e in equations(jaxpr.jaxpr) for v in e.outvars
+             if hasattr(v.aval, "shape")]
+    assert max(sizes) < N * V and 64 * V in sizes
+    g1 = jax.grad(f, (0, 1))(h, w)
+    g2 = jax.grad(lambda h, w: f(h, w, None), (0, 1))(h, w)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    rl, rdh, rdw, _ = lce_ref(h, w, labels, reduction="mean")
+    assert_close("loss", f(h, w), rl, LOSS_TOL)
+    assert_close("dh", g1[0], rdh, 1e-5)
+    assert_close("dw", g1[1], rdw, 1e-5)
+    loss, dh, dw, _ = run_lce(h, w, jnp.full(labels.shape, -1), impl, reduction="mean", ignore_index=-1)
+    assert float(loss) == 0.0 and not np.any(np.asarray(dh)) and not np.any(np.asarray(dw))
+    jitted = jax.jit(jax.value_and_grad(f, (0, 1)))(h, w)
+    assert_close("jit loss", jitted[0], rl, LOSS_TOL)
+
+
+LCE_BAD = [
+    ("h_int", dict(h=jnp.ones((2, 4), jnp.int32)), TypeError, r"h must be float32.*int32"),
+    ("w_shape", dict(w=jnp.ones((5, 7))), ValueError, r"w must have shape \(4, V\).*\(5, 7\)"),
+    ("w_transposed", dict(w=jnp.ones((4, 7)), transposed_w=True), ValueError, r"w must have shape \(V, 4\)"),
+    ("w_dtype", dict(w=jnp.ones((4, 7), jnp.bfloat16)), ValueError, r"h's dtype float32.*bfloat16"),
+    ("bias_shape", dict(bias=jnp.ones((6,))), ValueError, r"bias must have shape \(7,\)"),
+    ("labels_shape", dict(labels=jnp.zeros((3,), jnp.int32)), ValueError, r"labels must have shape \(2,\)"),
+    ("where_shape", dict(where=jnp.ones((2, 6), bool)), ValueError, r"where must broadcast"),
+    ("chunk", dict(chunk_rows=0), ValueError, r"chunk_rows must be a positive int"),
+    ("smoothing", dict(label_smoothing=2.0), ValueError, r"linear_cross_entropy: label_smoothing"),
+]
+
+
+@pytest.mark.parametrize("name,kw,exc,match", LCE_BAD, ids=[b[0] for b in LCE_BAD])
+def test_linear_cross_entropy_bad_input(name, kw, exc, match):
+    args = dict(kw)
+    h, w, labels = args.pop("h", jnp.ones((2, 4))), args.pop("w", jnp.ones((4, 7))), args.pop("labels", L)
+    with pytest.raises(exc, match=match):
+        jax_ops.linear_cross_entropy(h, w, labels, **args)

@@ -28,6 +28,7 @@ has no tangent.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import jax
@@ -59,20 +60,35 @@ def _check_logits(logits):
                          f"got shape {tuple(logits.shape)}")
 
 
-def _check_real(name, value, lo, hi=None) -> float:
+def _check_real(op, name, value, lo, hi=None) -> float:
     if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
         try:
             value = float(value)
         except (jax.errors.ConcretizationTypeError, TypeError):
-            raise TypeError(f"jax_ops.{OP}: {name} must be a concrete real number (it is compiled "
+            raise TypeError(f"jax_ops.{op}: {name} must be a concrete real number (it is compiled "
                             "into the kernel); got a traced array") from None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"jax_ops.{OP}: {name} must be a real number; got {type(value).__name__}")
+        raise TypeError(f"jax_ops.{op}: {name} must be a real number; got {type(value).__name__}")
     v = float(value)
     if not (np.isfinite(v) and v >= lo and (hi is None or v <= hi)):
         want = f"in [{lo}, {hi}]" if hi is not None else f"finite and >= {lo}"
-        raise ValueError(f"jax_ops.{OP}: {name} must be {want}; got {value}")
+        raise ValueError(f"jax_ops.{op}: {name} must be {want}; got {value}")
     return v
+
+
+def _check_options(op, labels, label_smoothing, z_loss, reduction, ignore_index):
+    """labels' dtype and the scalar options; returns (label_smoothing, z_loss) as floats."""
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"jax_ops.{op}: labels must have an integer dtype; got {_fmt_dtype(labels.dtype)}")
+    ls = _check_real(op, "label_smoothing", label_smoothing, 0.0, 1.0)
+    zl = _check_real(op, "z_loss", z_loss, 0.0)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"jax_ops.{op}: reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if ignore_index is not None and (isinstance(ignore_index, bool)
+                                     or not isinstance(ignore_index, (int, np.integer))):
+        raise TypeError(f"jax_ops.{op}: ignore_index must be an int or None; got "
+                        f"{type(ignore_index).__name__}")
+    return ls, zl
 
 
 def _normalize_axes(axis, ndim) -> tuple[int, ...]:
@@ -406,16 +422,7 @@ def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=Non
     registry.check_name(OP, implementation)
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     _check_logits(logits)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(f"jax_ops.{OP}: labels must have an integer dtype; got {_fmt_dtype(labels.dtype)}")
-    ls = _check_real("label_smoothing", label_smoothing, 0.0, 1.0)
-    zl = _check_real("z_loss", z_loss, 0.0)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"jax_ops.{OP}: reduction must be one of {REDUCTIONS}; got {reduction!r}")
-    if ignore_index is not None and (isinstance(ignore_index, bool)
-                                     or not isinstance(ignore_index, (int, np.integer))):
-        raise TypeError(f"jax_ops.{OP}: ignore_index must be an int or None; got "
-                        f"{type(ignore_index).__name__}")
+    ls, zl = _check_options(OP, labels, label_smoothing, z_loss, reduction, ignore_index)
     axes = _normalize_axes(axis, logits.ndim)
     if where is not None:
         where = jnp.asarray(where)
@@ -443,6 +450,20 @@ def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=Non
         raise ValueError(f"jax_ops.{OP}: there must be at least one class; got logits of shape "
                          f"{tuple(logits.shape)} with classes along {axes}")
 
+    lab, weight, mask = _row_weights(labels, where, ignore_index, reduction, V)
+    if logits.size == 0:
+        out = jnp.zeros(expect, jnp.float32)
+        return out if reduction == "none" else jnp.sum(out)
+    loss = FWD.call(logits, lab, weight, mask, label_smoothing=ls, z_loss=zl, with_grad=False,
+                    implementation=implementation or registry.override_for(OP))[0]
+    return loss if reduction == "none" else jnp.sum(loss)
+
+
+def _row_weights(labels, where, ignore_index, reduction, V):
+    """(labels as int32 in [0, V], the float32 weight of each example, the per-class
+    mask or None) from where (classes last, logits' rank, or None), ignore_index and the
+    reduction: weight 0 for ignored examples, 1 (1/count for "mean") for the others."""
+    expect = tuple(labels.shape)
     valid, mask = None, None
     if where is not None:
         if where.shape[-1] == 1:  # a where per example
@@ -463,12 +484,7 @@ def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=Non
         count = jnp.maximum(jnp.sum(valid, dtype=jnp.int32), 1).astype(jnp.float32)
     if reduction == "mean":
         weight = weight / count
-    if logits.size == 0:
-        out = jnp.zeros(expect, jnp.float32)
-        return out if reduction == "none" else jnp.sum(out)
-    loss = FWD.call(logits, lab, weight, mask, label_smoothing=ls, z_loss=zl, with_grad=False,
-                    implementation=implementation or registry.override_for(OP))[0]
-    return loss if reduction == "none" else jnp.sum(loss)
+    return lab, weight, mask
 
 
 def _move_classes_last(logits, where, axes):
@@ -488,6 +504,192 @@ def _move_classes_last(logits, where, axes):
             w = jnp.broadcast_to(w, w.shape[:nb] + classes)
         where = w.reshape(w.shape[:nb] + (-1,))
     return logits, where
+
+
+# ------------------------------------------------------ linear_cross_entropy ---
+# The LM head and the loss without the logits: chunks of rows, each chunk's logits by an
+# XLA matmul (cuBLAS), the loss and dlogits by the CE forward stage in one pass over
+# them, then the chunk's dh and its share of dw by two more matmuls. Only one chunk's
+# logits and dlogits exist at a time.
+
+LCE = "linear_cross_entropy"
+CHUNK_BYTES = 128 * 2**20  # a chunk's logits (and its dlogits): at most this, about
+
+
+def default_chunk_rows(rows: int, vocab: int, itemsize: int) -> int:
+    """Rows per chunk: logits of about CHUNK_BYTES, a multiple of 128 rows (at least 128),
+    not more than the rows there are."""
+    c = max(128, CHUNK_BYTES // max(vocab * itemsize, 1) // 128 * 128)
+    return max(1, min(c, rows))
+
+
+def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
+    """Scan over row chunks. h (N, d); lab/weight (N,); mask None, (1, V) or (N, V).
+    Returns the per-row weighted losses (N,) and, with_grad, (dh (N, d) in h's dtype,
+    dw float32 like w, dbias float32 (V,) or None)."""
+    transposed, chunk, ls, zl, impl = cfg
+    N, d = h.shape
+    V = w.shape[0] if transposed else w.shape[1]
+    n = -(-N // chunk)
+    pad = n * chunk - N
+    per_row_mask = mask is not None and mask.shape[0] != 1
+
+    def rows_of(a, fill):
+        if pad:
+            a = jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)])
+        return a.reshape((n, chunk) + a.shape[1:])
+    xs = (rows_of(h, 0), rows_of(lab, 0), rows_of(weight, 0.0),
+          rows_of(mask, False) if per_row_mask else None)
+
+    def body(carry, x):
+        h_c, lab_c, w_c, m_c = x
+        logits = jnp.dot(h_c, w.T if transposed else w)
+        if bias is not None:
+            logits = logits + bias.astype(logits.dtype)
+        loss_c, _, d_c = FWD.call(logits, lab_c, w_c, m_c if per_row_mask else mask,
+                                  label_smoothing=ls, z_loss=zl, with_grad=with_grad,
+                                  implementation=impl)
+        if not with_grad:
+            return carry, (loss_c, None)
+        dw, db = carry
+        dh_c = jnp.dot(d_c, w if transposed else w.T).astype(h.dtype)
+        if transposed:
+            dw = dw + jnp.dot(d_c.T, h_c, preferred_element_type=jnp.float32)
+        else:
+            dw = dw + jnp.dot(h_c.T, d_c, preferred_element_type=jnp.float32)
+        if db is not None:
+            db = db + jnp.sum(d_c, axis=0, dtype=jnp.float32)
+        return (dw, db), (loss_c, dh_c)
+
+    init = (jnp.zeros(w.shape, jnp.float32), None if bias is None else jnp.zeros((V,), jnp.float32))
+    if not with_grad:
+        init = ()
+    carry, (loss, dh) = jax.lax.scan(body, init, xs)
+    loss = loss.reshape(-1)[:N]
+    if not with_grad:
+        return loss, None
+    return loss, (dh.reshape(-1, d)[:N], carry[0], carry[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _lce_reduced(h, w, bias, lab, weight, mask, cfg, reduced):
+    loss, _ = _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad=False)
+    return jnp.sum(loss) if reduced else loss
+
+
+def _lce_reduced_fwd(h, w, bias, lab, weight, mask, cfg, reduced):
+    if reduced:  # the gradients in the forward: the backward only scales them
+        loss, (dh, dw, db) = _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad=True)
+        return jnp.sum(loss), (dh, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype))
+    loss, _ = _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad=False)
+    return loss, (h, w, bias, lab, weight, mask)
+
+
+def _lce_reduced_bwd(cfg, reduced, res, g):
+    if reduced:
+        dh, dw, db = res
+        g = g.astype(jnp.float32)
+        scale = lambda a: None if a is None else (a.astype(jnp.float32) * g).astype(a.dtype)  # noqa: E731
+        return scale(dh), scale(dw), scale(db), None, None, None
+    # per-example losses: the cotangent joins the row weights, and the chunks run again
+    h, w, bias, lab, weight, mask = res
+    _, (dh, dw, db) = _lce_chunks(h, w, bias, lab, weight * g.astype(jnp.float32), mask, cfg,
+                                  with_grad=True)
+    return dh, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype), None, None, None
+
+
+_lce_reduced.defvjp(_lce_reduced_fwd, _lce_reduced_bwd)
+
+
+def linear_cross_entropy(h, w, labels, *, bias=None, transposed_w: bool = False, where=None,
+                         label_smoothing: float = 0.0, ignore_index: int | None = None,
+                         z_loss: float = 0.0, reduction: str = "none", chunk_rows: int | None = None,
+                         implementation: str | None = None):
+    """cross_entropy(h @ w + bias, labels, ...) without the logits: the LM head and the loss.
+
+    The rows (every axis of h but the last) are processed in chunks of `chunk_rows`:
+    a chunk's logits come from an XLA matmul (cuBLAS), the cross-entropy forward stage
+    (our kernels) computes its loss and dlogits in one pass over them, and two more matmuls
+    give its dh and add its h^T dlogits to dw (float32). Only one chunk's logits and
+    dlogits exist at a time. With reduction "mean" or "sum" the gradients are computed in
+    the forward and the backward scales them by the cotangent (3 matmuls in all); with
+    "none" the backward runs the chunks again with the per-example cotangents folded into
+    the row weights (4 matmuls). Reverse-mode differentiation only (a custom VJP).
+
+    Args:
+      h: (..., d) float32, bfloat16 or float16: the last hidden states.
+      w: (d, V) in h's dtype, or (V, d) with transposed_w=True (a tied embedding).
+      labels: h's shape without the last axis, any integer dtype (cross_entropy's rules).
+      bias: None or (V,), h's dtype or float32.
+      where, label_smoothing, ignore_index, z_loss, reduction: as in cross_entropy with
+        the classes last: where of labels' shape (per example) or of h's rank, broadcast
+        to (..., V) (per class, e.g. (1, V) for a padded vocabulary).
+      chunk_rows: rows per chunk; default: logits of about 128 MiB a chunk.
+      implementation: the cross-entropy stage's (None: automatic, "xla", "cuda", "pallas").
+
+    Returns: float32 losses, labels' shape ("none") or a scalar. Gradients flow to h, w and
+    bias (in their dtypes).
+    """
+    registry.check_name(OP, implementation)
+    h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels)
+    if h.dtype not in ACT_DTYPES:
+        raise TypeError(f"jax_ops.{LCE}: h must be float32, bfloat16 or float16; got dtype {_fmt_dtype(h.dtype)}")
+    if h.ndim < 1:
+        raise ValueError(f"jax_ops.{LCE}: h must have at least 1 dimension (the hidden size last); "
+                         f"got shape {tuple(h.shape)}")
+    d = h.shape[-1]
+    if not isinstance(transposed_w, (bool, np.bool_)):
+        raise TypeError(f"jax_ops.{LCE}: transposed_w must be a bool; got {type(transposed_w).__name__}")
+    if w.dtype != h.dtype or w.ndim != 2 or w.shape[1 if transposed_w else 0] != d:
+        want = f"(V, {d})" if transposed_w else f"({d}, V)"
+        raise ValueError(f"jax_ops.{LCE}: w must have shape {want} and h's dtype {_fmt_dtype(h.dtype)}"
+                         f"{' (transposed_w=True)' if transposed_w else ''}; got {tuple(w.shape)} "
+                         f"{_fmt_dtype(w.dtype)}")
+    V = w.shape[0] if transposed_w else w.shape[1]
+    if V < 1:
+        raise ValueError(f"jax_ops.{LCE}: there must be at least one class; got w of shape {tuple(w.shape)}")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (V,) or bias.dtype not in (_F32, h.dtype):
+            raise ValueError(f"jax_ops.{LCE}: bias must have shape ({V},) and dtype float32 or "
+                             f"{_fmt_dtype(h.dtype)}; got {tuple(bias.shape)} {_fmt_dtype(bias.dtype)}")
+    ls, zl = _check_options(LCE, labels, label_smoothing, z_loss, reduction, ignore_index)
+    expect = tuple(h.shape[:-1])
+    if tuple(labels.shape) != expect:
+        raise ValueError(f"jax_ops.{LCE}: labels must have shape {expect} (h's shape without its "
+                         f"last axis); got shape {tuple(labels.shape)}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))
+                                   or chunk_rows < 1):
+        raise ValueError(f"jax_ops.{LCE}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
+    logits_shape = expect + (V,)
+    if where is not None:
+        where = jnp.asarray(where)
+        if where.dtype != jnp.bool_:
+            raise TypeError(f"jax_ops.{LCE}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
+        given = tuple(where.shape)
+        try:
+            if where.ndim != len(logits_shape):
+                where = where[..., None]
+            ok = where.ndim == len(logits_shape) and np.broadcast_shapes(where.shape, logits_shape) == logits_shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"jax_ops.{LCE}: where must broadcast to labels' shape {expect} (one flag "
+                             f"per example) or, with h's rank, to the logits' shape {logits_shape} (one "
+                             f"per class); got shape {given}")
+    lab, weight, mask = _row_weights(labels, where, ignore_index, reduction, V)
+    N = int(np.prod(expect))
+    if N == 0:
+        out = jnp.zeros(expect, jnp.float32)
+        return out if reduction == "none" else jnp.sum(out)
+    if mask is not None:  # (1, V): one row for every example, else (N, V)
+        mask = (mask.reshape(1, V) if all(n == 1 for n in mask.shape[:-1])
+                else jnp.broadcast_to(mask, logits_shape).reshape(N, V))
+    chunk = int(chunk_rows) if chunk_rows is not None else default_chunk_rows(N, V, h.dtype.itemsize)
+    cfg = (bool(transposed_w), min(chunk, N), ls, zl, implementation or registry.override_for(OP))
+    out = _lce_reduced(h.reshape(N, d), w, bias, lab.reshape(N), weight.reshape(N), mask, cfg,
+                       reduction != "none")
+    return out if reduction != "none" else out.reshape(expect)
 
 
 # ----------------------------------------------- cross_entropy: benchmark specs (jax_ops.bench) ---
