@@ -168,10 +168,11 @@ def _fwd_kernel(*refs, rows, cols, block_rows, block_v, ls, zl, with_grad, has_m
 
 
 def ce_fwd(logits, labels, weight, mask, *, label_smoothing: float, z_loss: float, with_grad: bool,
-           config: dict | None = None, interpret: bool = False):
+           in_place: bool = False, config: dict | None = None, interpret: bool = False):
     """logits (rows, cols), labels (rows,) int32, weight (rows,) float32, mask None or bool
     (1 or rows, cols). Returns (loss, lse) float32 (rows,), and dlogits (logits' shape and
-    dtype) or None."""
+    dtype) or None; in_place: dlogits written over the logits (input_output_aliases; every
+    tile is read before it is written)."""
     rows, cols = logits.shape
     cfg = config or default_config(rows, cols, "fwd")
     block_rows, block_v = cfg["block_rows"], cfg["block_v"]
@@ -186,6 +187,7 @@ def ce_fwd(logits, labels, weight, mask, *, label_smoothing: float, z_loss: floa
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(rows, block_rows),),
         compiler_params=compiler_params(cfg["num_warps"]), interpret=interpret,
+        input_output_aliases={0: 2} if in_place and with_grad else {},
         name="jax_ops_ce_fwd")(*operands)
     return outs[0], outs[1], (outs[2] if with_grad else None)
 
@@ -199,7 +201,7 @@ def _bwd_kernel(in_ref, g_ref, out_ref, *, rows, cols, block_rows, block_v):
     scale = row_ok & (g != 1.0)  # the result aliases dlogits: rows with g == 1 are done
     c = pl.program_id(1) * block_v + jnp.arange(block_v)  # (outside pl.when: interpret mode)
 
-    @pl.when(jnp.any(scale))
+    @pl.when(jnp.max(scale.astype(jnp.int32)) > 0)  # (Triton lowers no reduce_or)
     def _():
         ok = scale[:, None] & (c < cols)[None, :]
         idx = (r[:, None], c[None, :])

@@ -7,7 +7,9 @@ logits (..., V): the vocabulary last (the public function moves it there); label
 int32 in [0, V], V meaning "out of range" (the loss is then NaN, as optax's gather
 gives); weight (...) float32, the row's factor (0 for ignored rows, 1/count for a
 mean); mask: optax's element-wise `where`, bool of logits' rank, its leading axes
-either logits' or broadcast (size 1). Params: label_smoothing, z_loss, with_grad.
+either logits' or broadcast (size 1). Params: label_smoothing, z_loss, with_grad,
+in_place (with_grad: the kernels write dlogits over the logits' buffer; for logits that
+die there, as linear_cross_entropy's chunks do).
 
 Per row, with K the kept columns (all, or the mask's), n = |K|, m = max_K z,
 s = Σ_K exp(z - m), lse = m + log s (cuda_src/cross_entropy_math.h):
@@ -126,7 +128,7 @@ def _check_abstract(logits, labels, weight, mask):
 
 # ---------------------------------------------------------------- forward ---
 
-def _fwd_abstract(logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad):
+def _fwd_abstract(logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad, in_place=False):
     _check_abstract(logits, labels, weight, mask)
     rows = core.ShapedArray(logits.shape[:-1], _F32)
     dlogits = core.ShapedArray(logits.shape, logits.dtype) if with_grad else None
@@ -138,7 +140,7 @@ def _identity(a):
 
 
 def _fwd_reference(logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad,
-                   psum=_identity, pmax=_identity, col0=0, vocab=None):
+                   in_place=False, psum=_identity, pmax=_identity, col0=0, vocab=None):
     """The jnp math (module docstring). With the vocabulary sharded (per-device code):
     psum/pmax combine per-row partial results over the vocabulary's mesh axes, col0 is
     the global column of this shard's first column and vocab the global V."""
@@ -262,22 +264,27 @@ def _kernel_mask(mask, logits):
     return mask.reshape(-1, V)
 
 
-_ffi_fwd = ffi("jax_ops_ce_fwd", lambda p: {
-    "label_smoothing": np.float32(p["label_smoothing"]), "z_loss": np.float32(p["z_loss"]),
-    "with_grad": bool(p["with_grad"]), "has_mask": bool(p["has_mask"])})
+def _ffi_attrs(p):
+    return {"label_smoothing": np.float32(p["label_smoothing"]), "z_loss": np.float32(p["z_loss"]),
+            "with_grad": bool(p["with_grad"]), "has_mask": bool(p["has_mask"])}
 
 
-def _cuda_fwd(call, logits, labels, weight, mask, **params):
-    return _ffi_fwd(call, logits, labels, weight, _kernel_mask(mask, logits),
-                    has_mask=mask is not None, **params)
+_ffi_fwd = ffi("jax_ops_ce_fwd", _ffi_attrs)
+_ffi_fwd_in_place = ffi("jax_ops_ce_fwd", _ffi_attrs, aliases={0: 2})  # logits -> dlogits
 
 
-def _pallas_fwd(call, logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad):
+def _cuda_fwd(call, logits, labels, weight, mask, *, in_place=False, **params):
+    fn = _ffi_fwd_in_place if in_place and params["with_grad"] else _ffi_fwd
+    return fn(call, logits, labels, weight, _kernel_mask(mask, logits), has_mask=mask is not None, **params)
+
+
+def _pallas_fwd(call, logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad,
+                in_place=False):
     V = logits.shape[-1]
     loss, lse, d = pallas_ce.ce_fwd(
         logits.reshape(-1, V), labels.reshape(-1), weight.reshape(-1), _kernel_mask(mask, logits),
-        label_smoothing=label_smoothing, z_loss=z_loss, with_grad=with_grad, config=call.config,
-        interpret=call.interpret)
+        label_smoothing=label_smoothing, z_loss=z_loss, with_grad=with_grad, in_place=in_place,
+        config=call.config, interpret=call.interpret)
     rows = logits.shape[:-1]
     return loss.reshape(rows), lse.reshape(rows), (None if d is None else d.reshape(logits.shape))
 
@@ -298,7 +305,7 @@ def _user_adapter(fn, backward, tunable):
     label_smoothing, z_loss, with_grad) -> (loss, lse, dlogits or None) with logits
     (rows, V), labels (rows,) int32 in [0, V] (V: out of range), weight (rows,) float32,
     mask None or bool (1 or rows, V); backward(dlogits2d, g) -> dlogits * g[:, None]."""
-    def fwd(call, logits, labels, weight, mask, **params):
+    def fwd(call, logits, labels, weight, mask, *, in_place=False, **params):
         V = logits.shape[-1]
         kw = {"config": call.config} if tunable else {}
         loss, lse, d = fn(logits.reshape(-1, V), labels.reshape(-1), weight.reshape(-1),
@@ -455,7 +462,7 @@ def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=Non
         out = jnp.zeros(expect, jnp.float32)
         return out if reduction == "none" else jnp.sum(out)
     loss = FWD.call(logits, lab, weight, mask, label_smoothing=ls, z_loss=zl, with_grad=False,
-                    implementation=implementation or registry.override_for(OP))[0]
+                    in_place=False, implementation=implementation or registry.override_for(OP))[0]
     return loss if reduction == "none" else jnp.sum(loss)
 
 
@@ -513,14 +520,22 @@ def _move_classes_last(logits, where, axes):
 # logits and dlogits exist at a time.
 
 LCE = "linear_cross_entropy"
-CHUNK_BYTES = 128 * 2**20  # a chunk's logits (and its dlogits): at most this, about
+CHUNK_BYTES = 256 * 2**20  # a chunk's logits (dlogits overwrite them): at most this, about
 
 
 def default_chunk_rows(rows: int, vocab: int, itemsize: int) -> int:
-    """Rows per chunk: logits of about CHUNK_BYTES, a multiple of 128 rows (at least 128),
-    not more than the rows there are."""
-    c = max(128, CHUNK_BYTES // max(vocab * itemsize, 1) // 128 * 128)
-    return max(1, min(c, rows))
+    """Rows per chunk: logits of at most about CHUNK_BYTES (at least 128 rows), in as few
+    chunks as that allows, of equal size: a divisor of rows that is a multiple of 16 where
+    one is near (no padding rows, whose matmuls would be wasted), else the balanced size
+    rounded up to a multiple of 16 (the last chunk padded)."""
+    cap = max(128, CHUNK_BYTES // max(vocab * itemsize, 1))
+    if rows <= cap:
+        return max(rows, 1)
+    n0 = -(-rows // cap)
+    for n in range(n0, 2 * n0 + 1):
+        if rows % n == 0 and (rows // n) % 16 == 0:
+            return rows // n
+    return -(-(-(-rows // n0)) // 16) * 16
 
 
 def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
@@ -548,7 +563,7 @@ def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
             logits = logits + bias.astype(logits.dtype)
         loss_c, _, d_c = FWD.call(logits, lab_c, w_c, m_c if per_row_mask else mask,
                                   label_smoothing=ls, z_loss=zl, with_grad=with_grad,
-                                  implementation=impl)
+                                  in_place=True, implementation=impl)  # dlogits over the logits
         if not with_grad:
             return carry, (loss_c, None)
         dw, db = carry
@@ -624,7 +639,8 @@ def linear_cross_entropy(h, w, labels, *, bias=None, transposed_w: bool = False,
       where, label_smoothing, ignore_index, z_loss, reduction: as in cross_entropy with
         the classes last: where of labels' shape (per example) or of h's rank, broadcast
         to (..., V) (per class, e.g. (1, V) for a padded vocabulary).
-      chunk_rows: rows per chunk; default: logits of about 128 MiB a chunk.
+      chunk_rows: rows per chunk; default: logits of about 256 MiB a chunk (a multiple of
+        128 rows), which dlogits then overwrite.
       implementation: the cross-entropy stage's (None: automatic, "xla", "cuda", "pallas").
 
     Returns: float32 losses, labels' shape ("none") or a scalar. Gradients flow to h, w and
