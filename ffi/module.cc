@@ -25,6 +25,8 @@ NB_MODULE(_ffi, m) {
     cpu["jax_ops_relu_bwd"] = capsule(JaxOpsReluBwdCpu);
     cpu["jax_ops_bn_relu_fwd"] = capsule(JaxOpsBnReluFwdCpu);
     cpu["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCpu);
+    cpu["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCpu);
+    cpu["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCpu);
 #ifdef JAX_OPS_WITH_CUDA
     cuda["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCuda);
     cuda["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCuda);
@@ -35,6 +37,8 @@ NB_MODULE(_ffi, m) {
     cuda["jax_ops_relu_bwd"] = capsule(JaxOpsReluBwdCuda);
     cuda["jax_ops_bn_relu_fwd"] = capsule(JaxOpsBnReluFwdCuda);
     cuda["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCuda);
+    cuda["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCuda);
+    cuda["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCuda);
 #endif
     out["cpu"] = cpu;
     out["CUDA"] = cuda;

@@ -13,6 +13,7 @@ from jax_ops.ops.layer_norm import add_layer_norm, add_rms_norm, layer_norm, rms
 from jax_ops.ops.softmax import log_softmax, softmax
 from jax_ops.ops.relu import add_relu, relu
 from jax_ops.ops.batch_norm import batch_norm_add_relu, batch_norm_relu
+from jax_ops.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from jax_ops.tuning import autotune
 from jax_ops._export import custom_call_targets, disabled_checks, export
 from jax_ops.fx import optimize  # also binds the jax_ops.fx subpackage
@@ -21,7 +22,7 @@ from jax_ops.fx import optimize  # also binds the jax_ops.fx subpackage
 IMPLEMENTATIONS = ("xla", "cuda", "pallas")
 
 __all__ = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "softmax", "log_softmax",
-           "relu", "add_relu", "batch_norm_relu", "batch_norm_add_relu", "IMPLEMENTATIONS", "implementations", "use",
+           "relu", "add_relu", "batch_norm_relu", "batch_norm_add_relu", "cross_entropy", "linear_cross_entropy", "IMPLEMENTATIONS", "implementations", "use",
            "register_implementation", "unregister_implementation", "explain", "autotune",
            "with_cuda", "export", "disabled_checks", "custom_call_targets", "fx", "optimize"]
 

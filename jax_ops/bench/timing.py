@@ -89,13 +89,15 @@ def make_sets(op: str, dtype, rows: int, cols: int, k: int, with_dy: bool, seed:
     """K seeded random input sets (x, params, dy): params as the op's spec makes them
     (norms: float32 (scale[, bias]); softmax_mask: (mask,); other softmax ops: ()),
     dy random normal in x's dtype, None if unneeded."""
-    make_inputs, outputs = spec(op).make_inputs, spec(op).outputs
+    make_inputs, outputs, cotangent = spec(op).make_inputs, spec(op).outputs, spec(op).cotangent
     sets = []
     for i in range(k):
         kx, kp, kq, kd = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), 4)
         x, params = make_inputs(kx, kp, kq, dtype, rows, cols)
         dy = None
-        if with_dy:  # one cotangent per result (add+norm: dy and dh)
+        if with_dy and cotangent is not None:  # e.g. a scalar loss's 1.0
+            dy = cotangent(kd, rows, cols, dtype)
+        elif with_dy:  # one cotangent per result (add+norm: dy and dh)
             dys = [jax.random.normal(kd_i, (rows, cols), dtype) for kd_i in jax.random.split(kd, outputs)]
             dy = dys[0] if outputs == 1 else tuple(dys)
         sets.append((x, params, dy))

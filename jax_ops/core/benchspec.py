@@ -43,6 +43,9 @@ class BenchSpec:
     title: appended to its tables' titles.
     outputs: how many (rows, cols) results the op returns (add+norm: y and h); the
       backward then takes a cotangent for each.
+    cotangent(key, rows, cols, dtype) -> dy: the backward's cotangent, for an op whose
+      result is not (rows, cols) (cross_entropy's mean loss: a float32 1.0, what
+      training differentiates); None: random normal (rows, cols) in x's dtype.
     """
     make_inputs: Callable
     kernel: Callable
@@ -59,6 +62,7 @@ class BenchSpec:
     view_cap: int | None = None
     title: str = ""
     outputs: int = 1
+    cotangent: Callable | None = None
 
 
 def view_len(rows: int, cols: int, cap: int) -> int:

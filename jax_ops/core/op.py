@@ -312,14 +312,18 @@ def reference_impl(stage: Stage) -> Callable:
 
 
 def ffi(target: str, attrs: Callable[[dict], dict] = lambda p: {}, *, flat_operands=(),
-        flat_results=(), scratch: Callable | None = None) -> Callable:
+        flat_results=(), scratch: Callable | None = None,
+        aliases: dict[int, int] | None = None) -> Callable:
     """A stage function calling XLA FFI target `target`; attrs(params) -> attributes.
 
     The handlers have a fixed arity: an absent operand is passed, and an absent result
     requested, as a zero-element float32 buffer (the handlers' ABI; the primitives have
     no such placeholders). flat_operands/flat_results: indices of arrays the handler
     takes 1-D (a bitcast). scratch(call, operands, params) -> a ShapedArray: a trailing
-    workspace result the kernels use and XLA frees right after.
+    workspace result the kernels use and XLA frees right after. aliases: {operand index:
+    result index} (jax.ffi.ffi_call's input_output_aliases): the result is written in the
+    operand's buffer (in place; XLA copies the operand first only where it is still
+    needed elsewhere).
     """
     def fn(call, *operands, **params):
         args = [jnp.zeros((0,), F32) if o is None else
@@ -330,7 +334,7 @@ def ffi(target: str, attrs: Callable[[dict], dict] = lambda p: {}, *, flat_opera
         if scratch is not None:
             s = scratch(call, operands, params)
             outs.append(jax.ShapeDtypeStruct(s.shape, s.dtype))
-        res = jax.ffi.ffi_call(target, outs)(*args, **attrs(params))
+        res = jax.ffi.ffi_call(target, outs, input_output_aliases=aliases)(*args, **attrs(params))
         return tuple(None if a is None else r.reshape(a.shape)
                      for r, a in zip(res, call.out_avals))
     fn.ffi_target = target

@@ -1,0 +1,750 @@
+"""Fused softmax cross-entropy with integer labels: the declaration (core/op.py).
+
+Forward stage  jax_ops_ce_fwd(logits, labels, weight, mask?) -> (loss, lse, dlogits?)
+Backward stage jax_ops_ce_bwd(dlogits, g) -> (dlogits,)
+
+logits (..., V): the vocabulary last (the public function moves it there); labels (...)
+int32 in [0, V], V meaning "out of range" (the loss is then NaN, as optax's gather
+gives); weight (...) float32, the row's factor (0 for ignored rows, 1/count for a
+mean); mask: optax's element-wise `where`, bool of logits' rank, its leading axes
+either logits' or broadcast (size 1). Params: label_smoothing, z_loss, with_grad,
+in_place (with_grad: the kernels write dlogits over the logits' buffer; for logits that
+die there, as linear_cross_entropy's chunks do).
+
+Per row, with K the kept columns (all, or the mask's), n = |K|, m = max_K z,
+s = Σ_K exp(z - m), lse = m + log s (cuda_src/cross_entropy_math.h):
+  loss = w · ((1 - ls)(lse - z_label) + ls (lse - Σ_K z / n) + z_loss · lse²),
+exactly 0 where w == 0 (whatever the logits hold). The label's logit counts whether or
+not the mask keeps it (optax's softmax_cross_entropy_with_integer_labels). lse is an
+internal result (no tangent unless differentiated).
+
+Training (with_grad, Op.train): the forward also writes the gradient of `loss` with
+respect to the logits, in the logits' dtype, from the same pass over them:
+  dlogits = w · (softmax_K(z) (1 + 2 z_loss lse) - (1 - ls) onehot(label) - (ls / n) [K]).
+That is the whole residual (no float32 probabilities). The backward scales row r of it
+by the loss cotangent g_r, in place (the kernels' result aliases dlogits), and skips the
+rows with g_r == 1: the cotangent of a mean or sum, so a reduced loss costs one pass
+over the logits plus one write of their gradient.
+The weight is a constant of the call (computed from labels, where and ignore_index): it
+has no tangent.
+"""
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core
+
+from jax_ops.core import registry
+from jax_ops.core.benchspec import BenchSpec
+from jax_ops.core.op import Impl, Op, Stage, ffi, ffi_supports, pallas_supports
+from jax_ops.core.validate import ACT_DTYPES
+from jax_ops.core.validate import dtype_name as _fmt_dtype
+from pallas_kernels import cross_entropy as pallas_ce
+
+OP = "cross_entropy"
+_F32 = jnp.dtype(jnp.float32)
+_I32 = jnp.dtype(jnp.int32)
+REDUCTIONS = ("none", "mean", "sum")
+
+
+# ------------------------------------------------------------- validation ---
+
+def _check_logits(logits):
+    if logits.dtype not in ACT_DTYPES:
+        raise TypeError(f"jax_ops.{OP}: logits must be float32, bfloat16 or float16; "
+                        f"got dtype {_fmt_dtype(logits.dtype)}")
+    if logits.ndim < 1:
+        raise ValueError(f"jax_ops.{OP}: logits must have at least 1 dimension (the classes); "
+                         f"got shape {tuple(logits.shape)}")
+
+
+def _check_real(op, name, value, lo, hi=None) -> float:
+    if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
+        try:
+            value = float(value)
+        except (jax.errors.ConcretizationTypeError, TypeError):
+            raise TypeError(f"jax_ops.{op}: {name} must be a concrete real number (it is compiled "
+                            "into the kernel); got a traced array") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"jax_ops.{op}: {name} must be a real number; got {type(value).__name__}")
+    v = float(value)
+    if not (np.isfinite(v) and v >= lo and (hi is None or v <= hi)):
+        want = f"in [{lo}, {hi}]" if hi is not None else f"finite and >= {lo}"
+        raise ValueError(f"jax_ops.{op}: {name} must be {want}; got {value}")
+    return v
+
+
+def _check_options(op, labels, label_smoothing, z_loss, reduction, ignore_index):
+    """labels' dtype and the scalar options; returns (label_smoothing, z_loss) as floats."""
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"jax_ops.{op}: labels must have an integer dtype; got {_fmt_dtype(labels.dtype)}")
+    ls = _check_real(op, "label_smoothing", label_smoothing, 0.0, 1.0)
+    zl = _check_real(op, "z_loss", z_loss, 0.0)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"jax_ops.{op}: reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if ignore_index is not None and (isinstance(ignore_index, bool)
+                                     or not isinstance(ignore_index, (int, np.integer))):
+        raise TypeError(f"jax_ops.{op}: ignore_index must be an int or None; got "
+                        f"{type(ignore_index).__name__}")
+    return ls, zl
+
+
+def _normalize_axes(axis, ndim) -> tuple[int, ...]:
+    """axis (int or tuple of ints) -> non-negative axes in the given order."""
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    out = []
+    for a in axes:
+        if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
+            raise TypeError(f"jax_ops.{OP}: axis must be an int or a tuple of ints; got {axis!r}")
+        if not -ndim <= a < ndim:
+            raise ValueError(f"jax_ops.{OP}: axis {a} is out of range for logits of rank {ndim} "
+                             f"(expected -{ndim} <= axis < {ndim})")
+        out.append(int(a) % ndim)
+    if not out or len(set(out)) != len(out):
+        raise ValueError(f"jax_ops.{OP}: axis must name distinct axes; got {axis!r}")
+    return tuple(out)
+
+
+def _check_abstract(logits, labels, weight, mask):
+    _check_logits(logits)
+    rows = tuple(logits.shape[:-1])
+    if labels.dtype != _I32 or tuple(labels.shape) != rows:
+        raise ValueError(f"jax_ops {OP} primitive: labels must be int32 of shape {rows}; got "
+                         f"{tuple(labels.shape)} {_fmt_dtype(labels.dtype)}")
+    if weight.dtype != _F32 or tuple(weight.shape) != rows:
+        raise ValueError(f"jax_ops {OP} primitive: weight must be float32 of shape {rows}; got "
+                         f"{tuple(weight.shape)} {_fmt_dtype(weight.dtype)}")
+    if mask is not None and (mask.dtype != jnp.bool_ or mask.ndim != logits.ndim
+                             or mask.shape[-1] != logits.shape[-1]
+                             or any(m not in (1, n) for m, n in zip(mask.shape[:-1], rows))):
+        raise ValueError(f"jax_ops {OP} primitive: mask must be bool of logits' rank with its last "
+                         f"axis and broadcast (size-1) or equal leading axes; got "
+                         f"{tuple(mask.shape)} {_fmt_dtype(mask.dtype)} for logits {tuple(logits.shape)}")
+
+
+# ---------------------------------------------------------------- forward ---
+
+def _fwd_abstract(logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad, in_place=False):
+    _check_abstract(logits, labels, weight, mask)
+    rows = core.ShapedArray(logits.shape[:-1], _F32)
+    dlogits = core.ShapedArray(logits.shape, logits.dtype) if with_grad else None
+    return rows, rows, dlogits
+
+
+def _identity(a):
+    return a
+
+
+def _fwd_reference(logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad,
+                   in_place=False, psum=_identity, pmax=_identity, col0=0, vocab=None):
+    """The jnp math (module docstring). With the vocabulary sharded (per-device code):
+    psum/pmax combine per-row partial results over the vocabulary's mesh axes, col0 is
+    the global column of this shard's first column and vocab the global V."""
+    V = logits.shape[-1] if vocab is None else vocab
+    ls, zl = label_smoothing, z_loss
+    z = logits.astype(jnp.float32)
+    keep = None if mask is None else jnp.broadcast_to(mask, z.shape)
+    zk = z if keep is None else jnp.where(keep, z, -jnp.inf)
+    m = pmax(jnp.max(zk, axis=-1))
+    shift = jnp.where(m == -jnp.inf, 0.0, m)
+    e = jnp.exp(zk - shift[..., None])
+    s = psum(jnp.sum(e, axis=-1))
+    live = s > 0  # some kept logit is finite (NaN: live, and NaN throughout)
+    s_safe = jnp.where(live, s, 1.0)  # keeps NaN out of the derivatives of dead rows
+    log_s = jnp.where(live, jnp.log(s_safe), -jnp.inf)
+    lse = shift + log_s
+    cols = col0 + jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    # A select and a row sum, not a gather: fused into the row's reductions, and with the
+    # vocabulary sharded the device holding the label's column contributes it.
+    z_lab = psum(jnp.sum(jnp.where(cols == labels[..., None], z, 0.0), axis=-1))
+    z_lab = jnp.where((labels >= 0) & (labels < V), z_lab, jnp.nan)
+    loss = (shift - z_lab) + log_s
+    n = None
+    if ls > 0.0:
+        if keep is None:
+            n = jnp.float32(V)
+            sum_z = psum(jnp.sum(z, axis=-1))
+        else:
+            n = psum(jnp.sum(keep, axis=-1, dtype=jnp.float32))
+            sum_z = psum(jnp.sum(jnp.where(keep, z, 0.0), axis=-1))
+        mean_z = jnp.where(n > 0, sum_z / jnp.maximum(n, 1.0), 0.0)
+        loss = (1.0 - ls) * loss + ls * ((shift - mean_z) + log_s)
+    if zl > 0.0:
+        loss = loss + zl * lse * lse
+    zero = weight == 0.0
+    out = jnp.where(zero, 0.0, weight * jnp.where(zero, 0.0, loss))
+    dlogits = None
+    if with_grad:
+        p = e / s_safe[..., None]
+        if zl > 0.0:
+            p = p * (1.0 + 2.0 * zl * jnp.where(live, lse, 0.0))[..., None]
+        d = p - jnp.where(cols == labels[..., None], 1.0 - ls, 0.0)
+        if ls > 0.0:
+            step = jnp.where(n > 0, ls / jnp.maximum(n, 1.0), 0.0)
+            d = d - (step[..., None] if keep is None or jnp.ndim(step) == 0 else
+                     jnp.where(keep, step[..., None], 0.0))
+        d = jnp.where(zero[..., None], 0.0, weight[..., None] * d)
+        dlogits = d.astype(logits.dtype)
+    return out, lse, dlogits
+
+
+def _front(a, d, size):
+    """Batch axis first; an unbatched operand is broadcast to the batch."""
+    if a is None:
+        return None
+    return jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+
+
+def _fwd_batch(stage, args, dims, **params):
+    logits, labels, weight, mask = args
+    ld, bd, wd, md = dims
+    size = next(a.shape[d] for a, d in zip(args, dims) if a is not None and d is not None)
+    logits, labels, weight = _front(logits, ld, size), _front(labels, bd, size), _front(weight, wd, size)
+    if mask is not None:  # keeps logits' rank: a size-1 (broadcast) axis where unbatched
+        mask = jnp.moveaxis(mask, md, 0) if md is not None else mask[None]
+    outs = stage.call(logits, labels, weight, mask, **params)
+    return outs, [None if o is None else 0 for o in outs]
+
+
+def _variant(params) -> str:
+    """"grad": the training forward, which also writes dlogits (timed apart)."""
+    return "grad" if params.get("with_grad") else ""
+
+
+# --------------------------------------------------------------- backward ---
+
+def _bwd_abstract(dlogits, g):
+    rows = tuple(dlogits.shape[:-1])
+    if g.dtype != _F32 or tuple(g.shape) != rows:
+        raise ValueError(f"jax_ops {OP} backward: g must be float32 of shape {rows} for dlogits "
+                         f"{tuple(dlogits.shape)}; got {tuple(g.shape)} {_fmt_dtype(g.dtype)}")
+    return (core.ShapedArray(dlogits.shape, dlogits.dtype),)
+
+
+def _bwd_reference(dlogits, g):
+    return ((dlogits.astype(jnp.float32) * g[..., None]).astype(dlogits.dtype),)
+
+
+def _bwd_batch(stage, args, dims, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    dlogits, g = (_front(a, d, size) for a, d in zip(args, dims))
+    return stage.call(dlogits, g, **params), (0,)
+
+
+# ---------------------------------------------------------------- sharding ---
+# Rows sharded: the kernels run on each device's rows. The vocabulary sharded (tensor
+# parallel): per-device max, Σ exp, the label's logit (from the device holding it),
+# Σ z and the kept count combined by pmax/psum over its mesh axes (O(rows) data), then
+# the local columns' gradient (jnp); no logits are gathered.
+
+def _fwd_local(layout, mesh, logits, labels, weight, mask, *, implementation, **params):
+    cols = layout.col_axes
+    col0 = jax.lax.axis_index(cols) * logits.shape[-1]
+    return _fwd_reference(logits, labels, weight, mask, **params,
+                          psum=lambda a: jax.lax.psum(a, cols), pmax=lambda a: jax.lax.pmax(a, cols),
+                          col0=col0, vocab=layout.shape[-1])
+
+
+# --------------------------------------------------------- implementations ---
+
+def _kernel_mask(mask, logits):
+    """The mask as the kernels take it: (1, V) for one row used by every row, else
+    (rows, V) (other broadcasts materialized)."""
+    if mask is None:
+        return None
+    V = logits.shape[-1]
+    if all(d == 1 for d in mask.shape[:-1]):
+        return mask.reshape(1, V)
+    if mask.shape != logits.shape:
+        mask = jnp.broadcast_to(mask, logits.shape)
+    return mask.reshape(-1, V)
+
+
+def _ffi_attrs(p):
+    return {"label_smoothing": np.float32(p["label_smoothing"]), "z_loss": np.float32(p["z_loss"]),
+            "with_grad": bool(p["with_grad"]), "has_mask": bool(p["has_mask"])}
+
+
+_ffi_fwd = ffi("jax_ops_ce_fwd", _ffi_attrs)
+_ffi_fwd_in_place = ffi("jax_ops_ce_fwd", _ffi_attrs, aliases={0: 2})  # logits -> dlogits
+
+
+def _cuda_fwd(call, logits, labels, weight, mask, *, in_place=False, **params):
+    fn = _ffi_fwd_in_place if in_place and params["with_grad"] else _ffi_fwd
+    return fn(call, logits, labels, weight, _kernel_mask(mask, logits), has_mask=mask is not None, **params)
+
+
+def _pallas_fwd(call, logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad,
+                in_place=False):
+    V = logits.shape[-1]
+    loss, lse, d = pallas_ce.ce_fwd(
+        logits.reshape(-1, V), labels.reshape(-1), weight.reshape(-1), _kernel_mask(mask, logits),
+        label_smoothing=label_smoothing, z_loss=z_loss, with_grad=with_grad, in_place=in_place,
+        config=call.config, interpret=call.interpret)
+    rows = logits.shape[:-1]
+    return loss.reshape(rows), lse.reshape(rows), (None if d is None else d.reshape(logits.shape))
+
+
+def _pallas_bwd(call, dlogits, g):
+    V = dlogits.shape[-1]
+    out = pallas_ce.ce_bwd(dlogits.reshape(-1, V), g.reshape(-1), config=call.config,
+                           interpret=call.interpret)
+    return (out.reshape(dlogits.shape),)
+
+
+def _pallas_configs(q):
+    return pallas_ce.candidate_configs(max(q.rows or 1, 1), q.cols, q.stage)
+
+
+def _user_adapter(fn, backward, tunable):
+    """register_implementation's adapter: fn(logits2d, labels, weight, mask2d, *,
+    label_smoothing, z_loss, with_grad) -> (loss, lse, dlogits or None) with logits
+    (rows, V), labels (rows,) int32 in [0, V] (V: out of range), weight (rows,) float32,
+    mask None or bool (1 or rows, V); backward(dlogits2d, g) -> dlogits * g[:, None]."""
+    def fwd(call, logits, labels, weight, mask, *, in_place=False, **params):
+        V = logits.shape[-1]
+        kw = {"config": call.config} if tunable else {}
+        loss, lse, d = fn(logits.reshape(-1, V), labels.reshape(-1), weight.reshape(-1),
+                          _kernel_mask(mask, logits), **params, **kw)
+        rows = logits.shape[:-1]
+        return (jnp.asarray(loss, jnp.float32).reshape(rows), jnp.asarray(lse, jnp.float32).reshape(rows),
+                None if not params["with_grad"] else jnp.asarray(d).astype(logits.dtype).reshape(logits.shape))
+
+    def bwd(call, dlogits, g):
+        V = dlogits.shape[-1]
+        kw = {"config": call.config} if tunable else {}
+        out = backward(dlogits.reshape(-1, V), g.reshape(-1), **kw)
+        return (jnp.asarray(out).astype(dlogits.dtype).reshape(dlogits.shape),)
+
+    return {"fwd": fwd, **({"bwd": bwd} if backward is not None else {})}
+
+
+# ----------------------------------------------------------- declaration ---
+
+FWD = Stage("ce_fwd", "fwd", ("logits", "labels", "weight", "mask?"), ("loss", "lse", "dlogits?"),
+            op_of=lambda p: OP, abstract=_fwd_abstract, reference=_fwd_reference, batch=_fwd_batch,
+            roles={"logits": "x", "labels": "rows", "weight": "rows", "mask": "bmask",
+                   "loss": "rows", "lse": "rows", "dlogits": "x"},
+            needs_local=lambda layout, params: bool(layout.col_axes), local=_fwd_local,
+            variant=_variant)
+BWD = Stage("ce_bwd", "bwd", ("dlogits", "g"), ("dlogits",),
+            op_of=lambda p: OP, abstract=_bwd_abstract, reference=_bwd_reference, batch=_bwd_batch,
+            roles={"dlogits": "x", "g": "rows"})
+
+
+def _residuals(ops, outs, params):
+    return (outs["dlogits"],)
+
+
+def _backward(res, cts, wanted, params, in_avals):
+    (dlogits,) = res
+    if "weight" in wanted:
+        raise NotImplementedError(f"jax_ops.{OP}: the row weights are constants (no tangent)")
+    g = cts["loss"]
+    if g is None:
+        return {"logits": jnp.zeros(dlogits.shape, dlogits.dtype)}
+    (dx,) = BWD.call(dlogits, g.astype(jnp.float32), implementation=params["implementation"])
+    return {"logits": dx}
+
+
+CROSS_ENTROPY = Op(
+    (OP,), FWD, BWD,
+    outputs=lambda p: ("loss",), train=lambda p: dict(p, with_grad=True),
+    residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
+    impls={
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": ffi("jax_ops_ce_bwd", aliases={0: 0})},
+                     supports=ffi_supports("jax_ops_ce_fwd"),
+                     description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
+        "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
+                       supports=pallas_supports(lambda q: pallas_ce.supports(q.cols)),
+                       configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
+    },
+    bench=lambda: cross_entropy_specs())  # the benchmark specs: end of this module
+
+
+# ------------------------------------------------------------- public API ---
+
+def _labels_int32(labels, V):
+    """labels (any integer dtype) -> int32 in [0, V]: negative labels in [-V, -1] count
+    from the end (as optax's take_along_axis does), others outside [0, V) become V."""
+    dt = labels.dtype
+    if dt.itemsize < 4 or dt == _I32:
+        lab = labels.astype(jnp.int32)
+        bad = (lab < -V) | (lab >= V)
+    else:  # 32-bit unsigned or 64-bit: compare before narrowing
+        bad = labels >= jnp.asarray(V, dt)
+        if jnp.issubdtype(dt, jnp.signedinteger):
+            bad = bad | (labels < jnp.asarray(-V, dt))
+        lab = jnp.where(bad, jnp.asarray(0, dt), labels).astype(jnp.int32)
+    lab = jnp.where(lab < 0, lab + V, lab)
+    return jnp.where(bad, V, lab)
+
+
+def _not_ignored(labels, ignore_index):
+    info = jnp.iinfo(labels.dtype)
+    if not info.min <= ignore_index <= info.max:  # no label can equal it
+        return None
+    return labels != jnp.asarray(ignore_index, labels.dtype)
+
+
+def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=None,
+                  label_smoothing: float = 0.0, ignore_index: int | None = None,
+                  z_loss: float = 0.0, reduction: str = "none",
+                  implementation: str | None = None):
+    """Softmax cross-entropy with integer labels, fused: the loss and (when differentiated)
+    the logits' gradient from one pass over the logits.
+
+    With the defaults it is `optax.softmax_cross_entropy_with_integer_labels(logits,
+    labels, axis, where)` (same values, where, axis and label conventions; the result is
+    float32 whatever the logits' dtype): swap
+    `optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()` for
+    `jax_ops.cross_entropy(logits, labels, reduction="mean")`.
+
+    Args:
+      logits: float32, bfloat16 or float16, rank >= 1. Never copied to float32 (the math
+        is float32 on chip).
+      labels: any integer dtype, logits' shape without the class axes. Labels in [-V, -1]
+        count from the end; others outside [0, V) give a NaN loss (optax's gather).
+      axis: the class axis, or a tuple of axes (moved last and merged; a label is then a
+        flat index into them, as optax does).
+      where: optax's `where`: bool, either of labels' shape (or broadcastable to it:
+        which examples count) or of logits' rank (which classes take part in each
+        example's softmax; an example with none counts as ignored). Ignored examples have
+        loss 0 and a zero gradient.
+      label_smoothing: ls in [0, 1]: the target is (1 - ls) one_hot(label) + ls / n over
+        the n kept classes (optax.smooth_labels then softmax_cross_entropy).
+      ignore_index: examples whose label equals it are ignored (loss 0, zero gradient,
+        not counted by "mean"), e.g. -100 for padding.
+      z_loss: PaLM's auxiliary loss: z_loss · logsumexp(logits)² added per example.
+      reduction: "none" (per-example losses, labels' shape), "mean" (over the counted
+        examples; 0 when none counts) or "sum".
+      implementation: None (automatic), "xla", "cuda" or "pallas".
+
+    Returns: float32, labels' shape ("none") or a scalar.
+    """
+    registry.check_name(OP, implementation)
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    _check_logits(logits)
+    ls, zl = _check_options(OP, labels, label_smoothing, z_loss, reduction, ignore_index)
+    axes = _normalize_axes(axis, logits.ndim)
+    if where is not None:
+        where = jnp.asarray(where)
+        if where.dtype != jnp.bool_:
+            raise TypeError(f"jax_ops.{OP}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
+        given = tuple(where.shape)
+        try:
+            if where.ndim != logits.ndim:  # as optax: a per-example where gets the class axes back
+                where = jnp.expand_dims(where, axis if isinstance(axis, int) else tuple(axis))
+            ok = where.ndim == logits.ndim and np.broadcast_shapes(where.shape, logits.shape) == logits.shape
+        except ValueError:
+            ok = False
+        if not ok:
+            expect = tuple(logits.shape[i] for i in range(logits.ndim) if i not in axes)
+            raise ValueError(f"jax_ops.{OP}: where must broadcast to labels' shape {expect} (one flag "
+                             f"per example) or, with logits' rank, to logits' shape "
+                             f"{tuple(logits.shape)} (one per class); got shape {given}")
+    logits, where = _move_classes_last(logits, where, axes)
+    expect = tuple(logits.shape[:-1])
+    if tuple(labels.shape) != expect:
+        raise ValueError(f"jax_ops.{OP}: labels must have shape {expect} (logits' shape "
+                         f"without the class axes); got shape {tuple(labels.shape)}")
+    V = logits.shape[-1]
+    if V < 1:
+        raise ValueError(f"jax_ops.{OP}: there must be at least one class; got logits of shape "
+                         f"{tuple(logits.shape)} with classes along {axes}")
+
+    lab, weight, mask = _row_weights(labels, where, ignore_index, reduction, V)
+    if logits.size == 0:
+        out = jnp.zeros(expect, jnp.float32)
+        return out if reduction == "none" else jnp.sum(out)
+    loss = FWD.call(logits, lab, weight, mask, label_smoothing=ls, z_loss=zl, with_grad=False,
+                    in_place=False, implementation=implementation or registry.override_for(OP))[0]
+    return loss if reduction == "none" else jnp.sum(loss)
+
+
+def _row_weights(labels, where, ignore_index, reduction, V):
+    """(labels as int32 in [0, V], the float32 weight of each example, the per-class
+    mask or None) from where (classes last, logits' rank, or None), ignore_index and the
+    reduction: weight 0 for ignored examples, 1 (1/count for "mean") for the others."""
+    expect = tuple(labels.shape)
+    valid, mask = None, None
+    if where is not None:
+        if where.shape[-1] == 1:  # a where per example
+            valid = jnp.broadcast_to(where[..., 0], expect)
+        else:  # per class: examples with no kept class are ignored (optax gives them 0)
+            mask = where
+            valid = jnp.broadcast_to(jnp.any(where, axis=-1), expect)
+    if ignore_index is not None:
+        keep = _not_ignored(labels, int(ignore_index))
+        if keep is not None:
+            valid = keep if valid is None else valid & keep
+    lab = _labels_int32(labels, V)
+    if valid is None:
+        weight = jnp.ones(expect, jnp.float32)
+        count = jnp.float32(max(int(np.prod(expect)), 1))
+    else:
+        weight = valid.astype(jnp.float32)
+        count = jnp.maximum(jnp.sum(valid, dtype=jnp.int32), 1).astype(jnp.float32)
+    if reduction == "mean":
+        weight = weight / count
+    return lab, weight, mask
+
+
+def _move_classes_last(logits, where, axes):
+    """logits and where (logits' rank or None) with the class axes moved last and merged
+    into one (in the given order, as optax does; a transposed copy unless the class axis
+    is already last)."""
+    nd = logits.ndim
+    if axes == (nd - 1,):
+        return logits, where
+    batch = tuple(i for i in range(nd) if i not in axes)
+    perm, nb = batch + axes, len(batch)
+    classes = tuple(logits.shape[i] for i in axes)
+    logits = jnp.transpose(logits, perm).reshape(tuple(logits.shape[i] for i in batch) + (-1,))
+    if where is not None:
+        w = jnp.transpose(where, perm)
+        if not all(n == 1 for n in w.shape[nb:]):  # merge the class axes at full size
+            w = jnp.broadcast_to(w, w.shape[:nb] + classes)
+        where = w.reshape(w.shape[:nb] + (-1,))
+    return logits, where
+
+
+# ------------------------------------------------------ linear_cross_entropy ---
+# The LM head and the loss without the logits: chunks of rows, each chunk's logits by an
+# XLA matmul (cuBLAS), the loss and dlogits by the CE forward stage in one pass over
+# them, then the chunk's dh and its share of dw by two more matmuls. Only one chunk's
+# logits and dlogits exist at a time.
+
+LCE = "linear_cross_entropy"
+CHUNK_BYTES = 256 * 2**20  # a chunk's logits (dlogits overwrite them): at most this, about
+
+
+def default_chunk_rows(rows: int, vocab: int, itemsize: int) -> int:
+    """Rows per chunk: logits of at most about CHUNK_BYTES (at least 128 rows), in as few
+    chunks as that allows, of equal size: a divisor of rows that is a multiple of 16 where
+    one is near (no padding rows, whose matmuls would be wasted), else the balanced size
+    rounded up to a multiple of 16 (the last chunk padded)."""
+    cap = max(128, CHUNK_BYTES // max(vocab * itemsize, 1))
+    if rows <= cap:
+        return max(rows, 1)
+    n0 = -(-rows // cap)
+    for n in range(n0, 2 * n0 + 1):
+        if rows % n == 0 and (rows // n) % 16 == 0:
+            return rows // n
+    return -(-(-(-rows // n0)) // 16) * 16
+
+
+def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
+    """Scan over row chunks. h (N, d); lab/weight (N,); mask None, (1, V) or (N, V).
+    Returns the per-row weighted losses (N,) and, with_grad, (dh (N, d) in h's dtype,
+    dw float32 like w, dbias float32 (V,) or None)."""
+    transposed, chunk, ls, zl, impl = cfg
+    N, d = h.shape
+    V = w.shape[0] if transposed else w.shape[1]
+    n = -(-N // chunk)
+    pad = n * chunk - N
+    per_row_mask = mask is not None and mask.shape[0] != 1
+
+    def rows_of(a, fill):
+        if pad:
+            a = jnp.concatenate([a, jnp.full((pad,) + a.shape[1:], fill, a.dtype)])
+        return a.reshape((n, chunk) + a.shape[1:])
+    xs = (rows_of(h, 0), rows_of(lab, 0), rows_of(weight, 0.0),
+          rows_of(mask, False) if per_row_mask else None)
+
+    def body(carry, x):
+        h_c, lab_c, w_c, m_c = x
+        logits = jnp.dot(h_c, w.T if transposed else w)
+        if bias is not None:
+            logits = logits + bias.astype(logits.dtype)
+        loss_c, _, d_c = FWD.call(logits, lab_c, w_c, m_c if per_row_mask else mask,
+                                  label_smoothing=ls, z_loss=zl, with_grad=with_grad,
+                                  in_place=True, implementation=impl)  # dlogits over the logits
+        if not with_grad:
+            return carry, (loss_c, None)
+        dw, db = carry
+        dh_c = jnp.dot(d_c, w if transposed else w.T).astype(h.dtype)
+        if transposed:
+            dw = dw + jnp.dot(d_c.T, h_c, preferred_element_type=jnp.float32)
+        else:
+            dw = dw + jnp.dot(h_c.T, d_c, preferred_element_type=jnp.float32)
+        if db is not None:
+            db = db + jnp.sum(d_c, axis=0, dtype=jnp.float32)
+        return (dw, db), (loss_c, dh_c)
+
+    init = (jnp.zeros(w.shape, jnp.float32), None if bias is None else jnp.zeros((V,), jnp.float32))
+    if not with_grad:
+        init = ()
+    carry, (loss, dh) = jax.lax.scan(body, init, xs)
+    loss = loss.reshape(-1)[:N]
+    if not with_grad:
+        return loss, None
+    return loss, (dh.reshape(-1, d)[:N], carry[0], carry[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _lce_reduced(h, w, bias, lab, weight, mask, cfg, reduced):
+    loss, _ = _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad=False)
+    return jnp.sum(loss) if reduced else loss
+
+
+def _lce_reduced_fwd(h, w, bias, lab, weight, mask, cfg, reduced):
+    if reduced:  # the gradients in the forward: the backward only scales them
+        loss, (dh, dw, db) = _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad=True)
+        return jnp.sum(loss), (dh, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype))
+    loss, _ = _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad=False)
+    return loss, (h, w, bias, lab, weight, mask)
+
+
+def _lce_reduced_bwd(cfg, reduced, res, g):
+    if reduced:
+        dh, dw, db = res
+        g = g.astype(jnp.float32)
+        scale = lambda a: None if a is None else (a.astype(jnp.float32) * g).astype(a.dtype)  # noqa: E731
+        return scale(dh), scale(dw), scale(db), None, None, None
+    # per-example losses: the cotangent joins the row weights, and the chunks run again
+    h, w, bias, lab, weight, mask = res
+    _, (dh, dw, db) = _lce_chunks(h, w, bias, lab, weight * g.astype(jnp.float32), mask, cfg,
+                                  with_grad=True)
+    return dh, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype), None, None, None
+
+
+_lce_reduced.defvjp(_lce_reduced_fwd, _lce_reduced_bwd)
+
+
+def linear_cross_entropy(h, w, labels, *, bias=None, transposed_w: bool = False, where=None,
+                         label_smoothing: float = 0.0, ignore_index: int | None = None,
+                         z_loss: float = 0.0, reduction: str = "none", chunk_rows: int | None = None,
+                         implementation: str | None = None):
+    """cross_entropy(h @ w + bias, labels, ...) without the logits: the LM head and the loss.
+
+    The rows (every axis of h but the last) are processed in chunks of `chunk_rows`:
+    a chunk's logits come from an XLA matmul (cuBLAS), the cross-entropy forward stage
+    (our kernels) computes its loss and dlogits in one pass over them, and two more matmuls
+    give its dh and add its h^T dlogits to dw (float32). Only one chunk's logits and
+    dlogits exist at a time. With reduction "mean" or "sum" the gradients are computed in
+    the forward and the backward scales them by the cotangent (3 matmuls in all); with
+    "none" the backward runs the chunks again with the per-example cotangents folded into
+    the row weights (4 matmuls). Reverse-mode differentiation only (a custom VJP).
+
+    Args:
+      h: (..., d) float32, bfloat16 or float16: the last hidden states.
+      w: (d, V) in h's dtype, or (V, d) with transposed_w=True (a tied embedding).
+      labels: h's shape without the last axis, any integer dtype (cross_entropy's rules).
+      bias: None or (V,), h's dtype or float32.
+      where, label_smoothing, ignore_index, z_loss, reduction: as in cross_entropy with
+        the classes last: where of labels' shape (per example) or of h's rank, broadcast
+        to (..., V) (per class, e.g. (1, V) for a padded vocabulary).
+      chunk_rows: rows per chunk; default: logits of about 256 MiB a chunk (a multiple of
+        128 rows), which dlogits then overwrite.
+      implementation: the cross-entropy stage's (None: automatic, "xla", "cuda", "pallas").
+
+    Returns: float32 losses, labels' shape ("none") or a scalar. Gradients flow to h, w and
+    bias (in their dtypes).
+    """
+    registry.check_name(OP, implementation)
+    h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels)
+    if h.dtype not in ACT_DTYPES:
+        raise TypeError(f"jax_ops.{LCE}: h must be float32, bfloat16 or float16; got dtype {_fmt_dtype(h.dtype)}")
+    if h.ndim < 1:
+        raise ValueError(f"jax_ops.{LCE}: h must have at least 1 dimension (the hidden size last); "
+                         f"got shape {tuple(h.shape)}")
+    d = h.shape[-1]
+    if not isinstance(transposed_w, (bool, np.bool_)):
+        raise TypeError(f"jax_ops.{LCE}: transposed_w must be a bool; got {type(transposed_w).__name__}")
+    if w.dtype != h.dtype or w.ndim != 2 or w.shape[1 if transposed_w else 0] != d:
+        want = f"(V, {d})" if transposed_w else f"({d}, V)"
+        raise ValueError(f"jax_ops.{LCE}: w must have shape {want} and h's dtype {_fmt_dtype(h.dtype)}"
+                         f"{' (transposed_w=True)' if transposed_w else ''}; got {tuple(w.shape)} "
+                         f"{_fmt_dtype(w.dtype)}")
+    V = w.shape[0] if transposed_w else w.shape[1]
+    if V < 1:
+        raise ValueError(f"jax_ops.{LCE}: there must be at least one class; got w of shape {tuple(w.shape)}")
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (V,) or bias.dtype not in (_F32, h.dtype):
+            raise ValueError(f"jax_ops.{LCE}: bias must have shape ({V},) and dtype float32 or "
+                             f"{_fmt_dtype(h.dtype)}; got {tuple(bias.shape)} {_fmt_dtype(bias.dtype)}")
+    ls, zl = _check_options(LCE, labels, label_smoothing, z_loss, reduction, ignore_index)
+    expect = tuple(h.shape[:-1])
+    if tuple(labels.shape) != expect:
+        raise ValueError(f"jax_ops.{LCE}: labels must have shape {expect} (h's shape without its "
+                         f"last axis); got shape {tuple(labels.shape)}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, (int, np.integer))
+                                   or chunk_rows < 1):
+        raise ValueError(f"jax_ops.{LCE}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
+    logits_shape = expect + (V,)
+    if where is not None:
+        where = jnp.asarray(where)
+        if where.dtype != jnp.bool_:
+            raise TypeError(f"jax_ops.{LCE}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
+        given = tuple(where.shape)
+        try:
+            if where.ndim != len(logits_shape):
+                where = where[..., None]
+            ok = where.ndim == len(logits_shape) and np.broadcast_shapes(where.shape, logits_shape) == logits_shape
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"jax_ops.{LCE}: where must broadcast to labels' shape {expect} (one flag "
+                             f"per example) or, with h's rank, to the logits' shape {logits_shape} (one "
+                             f"per class); got shape {given}")
+    lab, weight, mask = _row_weights(labels, where, ignore_index, reduction, V)
+    N = int(np.prod(expect))
+    if N == 0:
+        out = jnp.zeros(expect, jnp.float32)
+        return out if reduction == "none" else jnp.sum(out)
+    if mask is not None:  # (1, V): one row for every example, else (N, V)
+        mask = (mask.reshape(1, V) if all(n == 1 for n in mask.shape[:-1])
+                else jnp.broadcast_to(mask, logits_shape).reshape(N, V))
+    chunk = int(chunk_rows) if chunk_rows is not None else default_chunk_rows(N, V, h.dtype.itemsize)
+    cfg = (bool(transposed_w), min(chunk, N), ls, zl, implementation or registry.override_for(OP))
+    out = _lce_reduced(h.reshape(N, d), w, bias, lab.reshape(N), weight.reshape(N), mask, cfg,
+                       reduction != "none")
+    return out if reduction != "none" else out.reshape(expect)
+
+
+# ----------------------------------------------- cross_entropy: benchmark specs (jax_ops.bench) ---
+# logits (rows, cols) = (tokens, vocabulary); the op is the mean loss (what training
+# differentiates, cotangent 1), labels uniform over the vocabulary.
+
+LOGIT_SCALE = 2.0  # logits = 2 * N(0, 1)
+
+
+def cross_entropy_specs() -> dict[str, BenchSpec]:
+    """Benchmark of cross_entropy: the mean loss over (rows, cols) logits."""
+
+    def make_inputs(kx, kp, kq, dtype, rows, cols):
+        x = LOGIT_SCALE * jax.random.normal(kx, (rows, cols), dtype)
+        return x.astype(dtype), (jax.random.randint(kp, (rows,), 0, cols, jnp.int32),)
+
+    def kernel(impl):
+        return lambda x, labels: cross_entropy(x, labels, reduction="mean", implementation=impl)
+
+    def reference(dtype):
+        """optax on float32 logits, as users write it (jnp with the same formula where
+        optax is not installed)."""
+        try:
+            import optax
+            ce = optax.softmax_cross_entropy_with_integer_labels
+        except ImportError:  # pragma: no cover - optax is a bench/test extra
+            def ce(z, labels):
+                lab = jnp.take_along_axis(z, labels[:, None], axis=-1)[:, 0]
+                return jax.nn.logsumexp(z, axis=-1) - lab
+        return lambda x, labels: ce(x.astype(jnp.float32), labels).mean()
+
+    def nbytes(rows, cols, itemsize):
+        x = rows * cols * itemsize
+        # forward: read the logits; training forward + backward: read them, write dlogits
+        # (the backward only scales it, and skips it for the cotangent 1 of a mean).
+        return {"fwd": x + 8 * rows, "bwd": 2 * x, "fwd_bwd": 2 * x + 8 * rows}
+
+    return {"cross_entropy": BenchSpec(
+        make_inputs=make_inputs, kernel=kernel, reference=reference, nbytes=nbytes,
+        diff_params=False, table_stages=("fwd", "bwd"),
+        cotangent=lambda key, rows, cols, dtype: jnp.ones((), jnp.float32),
+        title=" (mean loss, labels uniform)")}
