@@ -27,7 +27,7 @@ Private JAX APIs used (keep this list short and current):
                                             profile.py: CUPTI per-kernel times on GPU
   flax.linen.normalization._compute_stats,
   flax.nnx.nn.normalization._compute_stats/_normalize (flax-private)
-                                            patterns.py: the exact flax formulations
+                                            ops/layer_norm.py: the exact flax formulations
 """
 from jax_ops.fx.graph import Graph, Literal, Node, Value, trace
 from jax_ops.fx.patterns import Formulation, Pattern, register_pattern, unregister_pattern

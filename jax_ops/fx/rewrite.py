@@ -86,7 +86,7 @@ class Match:
     formulation: Any = None
 
     def replace(self, vals):
-        return self.pattern.replace(vals, self.params, self.out_dtype, self.formulation)
+        return P.replace(self.pattern, vals, self.params, self.out_dtype, self.formulation)
 
 
 @dataclasses.dataclass
@@ -187,7 +187,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
     failures: list = []  # (record, anchor, stage, nodes) of near misses
     for pattern in patterns:
-        by_anchor = pattern.templates_by_anchor()
+        by_anchor = P.templates_by_anchor(pattern)
         for node in reversed(graph.nodes):
             if node.name not in by_anchor or node in claimed:
                 continue
