@@ -680,3 +680,181 @@ def test_every_autodiff_mode_through_a_rewrite():
     assert {"jax_ops_norm_fwd", "jax_ops_softmax_fwd"} <= _ops_in(fast, x)
     _close(jax.jvp(fast, (x,), (t,))[1], jax.jvp(f, (x,), (t,))[1], jnp.float32)
     _close(jax.jvp(jax.grad(fast), (x,), (t,))[1], jax.jvp(jax.grad(f), (x,), (t,))[1], jnp.float32)
+
+
+# ------------------------------------------- add + norm (two outputs: y and h) ---
+
+def _norm_fwd_eqns(fast, *args):
+    return [n for _, n in fx.trace(fast, *args).walk() if n.name == "jax_ops_norm_fwd"]
+
+
+def _pre_norm(x, r, s, b):
+    """A pre-norm block's residual add and LayerNorm: h is the next residual."""
+    h = x + r
+    mean = jnp.mean(h, -1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), -1, keepdims=True)
+    y = (h - mean) * jax.lax.rsqrt(var + 1e-5) * s + b
+    return h + jnp.sin(y)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_layer_norm_handwritten(dtype):
+    x, r = _x((4, 32), dtype), _x((4, 32), dtype, seed=5)
+    fast = _check(_pre_norm, (x, r, S, B), dtype, expect_op="jax_ops_norm_fwd",
+                  grad_argnums=(0, 1, 2, 3))
+    (eqn,) = _norm_fwd_eqns(fast, x, r, S, B)
+    # x and the residual: the fused op. bfloat16: the norm is bfloat16 math, then * s + b
+    # promote to float32: the fused op (y in x's dtype) replaces the norm without them
+    f32 = dtype == jnp.float32
+    assert eqn.params["present"] == (True, True, f32, f32)
+    recs = fx.rewrites(_pre_norm, x, r, S, B, policy="always").replaced
+    assert [r.pattern for r in recs] == ["add_layer_norm"]
+    assert recs[0].params["epsilon"] == pytest.approx(1e-5, rel=1e-2)  # bf16 literal
+
+
+def test_add_layer_norm_commuted_add_and_h_used_before_the_norm():
+    def f(x, r, s, b):
+        h = r + x
+        u = h * 3.0          # a use of h before the norm's equations (program order)
+        mean = jnp.mean(h, -1, keepdims=True)
+        var = jnp.var(h, -1, keepdims=True)
+        y = (h - mean) / jnp.sqrt(var + 1e-6) * s + b
+        return y + u
+    x, r = _x((4, 32)), _x((4, 32), seed=5)
+    fast = _check(f, (x, r, S, B), jnp.float32, expect_op="jax_ops_norm_fwd",
+                  grad_argnums=(0, 1, 2, 3))
+    assert _norm_fwd_eqns(fast, x, r, S, B)[0].params["present"][1]
+
+
+class PreNormBlock(nn.Module):
+    norm: str = "layer"
+    dtype: object = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            norm = nn.LayerNorm if self.norm == "layer" else nn.RMSNorm
+            y = norm(dtype=self.dtype, param_dtype=self.dtype)(x)
+            x = x + nn.Dense(x.shape[-1], dtype=self.dtype, param_dtype=self.dtype)(y)
+        return norm(dtype=self.dtype, param_dtype=self.dtype)(x)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_flax_linen_pre_norm_blocks(norm, dtype):
+    m = PreNormBlock(norm, dtype)
+    x = _x((2, 3, 16), dtype)
+    p = m.init(jax.random.key(0), x)
+    p = jax.tree_util.tree_map(lambda a: a + 0.3 * _x(a.shape, a.dtype, 1), p)
+    fn = lambda x, p: m.apply(p, x)  # noqa: E731
+    _check(fn, (x, p), dtype, expect_op="jax_ops_norm_fwd", grad_argnums=(0, 1))
+    recs = fx.rewrites(fn, x, p, policy="always")
+    # first norm: of the input; then (add, norm) twice: the last h is the last norm's input
+    assert [r.pattern for r in recs] == [f"{norm}_norm", f"add_{norm}_norm", f"add_{norm}_norm"], str(recs)
+    assert all(r.replaced for r in recs)
+    assert recs[1].formulation == f"x + r, then flax.linen.{'LayerNorm' if norm == 'layer' else 'RMSNorm'}"
+
+
+def test_flax_nnx_add_rms_norm():
+    norm = nnx.RMSNorm(24, rngs=nnx.Rngs(0))
+    lin = nnx.Linear(24, 24, rngs=nnx.Rngs(1))
+
+    def f(x):
+        h = x + lin(x)
+        return h + norm(h)
+    x = _x((5, 24))
+    _check(f, (x,), jnp.float32, expect_op="jax_ops_norm_fwd")
+    assert [r.pattern for r in fx.rewrites(f, x, policy="always").replaced] == ["add_rms_norm"]
+
+
+def _patterns_replaced(fn, *args):
+    return [r.pattern for r in fx.rewrites(fn, *args, policy="always").replaced]
+
+
+def test_near_miss_add_of_a_bias_vector_is_plain_layer_norm():
+    def f(x, b0, s, b):  # x + bias: not a residual
+        h = x + b0
+        mean = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), -1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5) * s + b
+    x = _x((4, 32))
+    recs = fx.rewrites(f, x, S, S, B, policy="always")
+    assert [(r.pattern, r.replaced) for r in recs] == [("layer_norm", True)], str(recs)
+    fast = jax_ops.optimize(f, policy="always")
+    assert not _norm_fwd_eqns(fast, x, S, S, B)[0].params["present"][1]
+    _close(fast(x, S, S, B), f(x, S, S, B), jnp.float32)
+
+    def g(x, b0, s, b):  # the bias broadcast to x's shape first: still not a residual
+        return f(x, jnp.broadcast_to(b0, x.shape), s, b)
+    recs = fx.rewrites(g, x, S, S, B, policy="always")
+    assert [(r.pattern, r.replaced) for r in recs] == [("layer_norm", True)], str(recs)
+
+
+def test_near_miss_add_whose_result_is_not_the_norms_input():
+    def f(x, r, s, b):
+        h = x + r
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * s + b + h
+    x, r = _x((4, 32)), _x((4, 32), seed=5)
+    assert _patterns_replaced(f, x, r, S, B) == ["layer_norm"]
+    _close(jax_ops.optimize(f, policy="always")(x, r, S, B), f(x, r, S, B), jnp.float32)
+
+
+def test_near_miss_add_then_eps_outside_the_sqrt():
+    def f(x, r, s, b):
+        h = x + r
+        mean = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), -1, keepdims=True)
+        return (h - mean) / (jnp.sqrt(var) + 1e-5) * s + b + h
+    x, r = _x((4, 32)), _x((4, 32), seed=5)
+    assert not fx.rewrites(f, x, r, S, B, policy="always").replaced
+    assert not _ops_in(jax_ops.optimize(f, policy="always"), x, r, S, B)
+
+
+def test_near_miss_add_norm_intermediate_used_elsewhere():
+    def f(x, r, s, b):
+        h = x + r
+        mean = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), -1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5) * s + b + h, var
+    x, r = _x((4, 32)), _x((4, 32), seed=5)
+    recs = fx.rewrites(f, x, r, S, B, policy="always")
+    assert not recs.replaced
+    assert {r.pattern for r in recs} == {"add_layer_norm", "layer_norm"}
+    assert all("intermediate var used elsewhere" in r.reason for r in recs), str(recs)
+
+
+def test_add_norm_with_a_wider_result_falls_back_to_the_plain_norm():
+    # flax LayerNorm with float32 parameters and dtype=None: bfloat16 x, float32 y. The
+    # fused op's y is x's dtype, so only the norm is replaced (on x widened).
+    m = nn.LayerNorm()
+    x, r = _x((4, 16), jnp.bfloat16), _x((4, 16), jnp.bfloat16, seed=5)
+    p = m.init(jax.random.key(0), x)
+
+    def f(x, r):
+        h = x + r
+        return m.apply(p, h), h
+    recs = fx.rewrites(f, x, r, policy="always")
+    assert [r.pattern for r in recs.replaced] == ["layer_norm"], str(recs)
+    assert any(r.pattern == "add_layer_norm" and "float32" in r.reason for r in recs), str(recs)
+    fast = jax_ops.optimize(f, policy="always")
+    for a, b in zip(fast(x, r), f(x, r)):
+        assert a.dtype == b.dtype
+        _close(a, b, jnp.float32)
+
+
+def test_add_norm_input_computed_after_a_use_of_h_is_kept():
+    # h is used (u) before the scale is computed: the fused op can't run before that use
+    def f(x, r, s, b):
+        h = x + r
+        u = h * 3.0
+        s2 = s * 2.0
+        mean = jnp.mean(h, -1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), -1, keepdims=True)
+        return (h - mean) * jax.lax.rsqrt(var + 1e-5) * s2 + b + u
+    x, r = _x((4, 32)), _x((4, 32), seed=5)
+    recs = fx.rewrites(f, x, r, S, B, policy="always")
+    assert any(r.pattern == "add_layer_norm" and not r.replaced and "computed after" in r.reason
+               for r in recs), str(recs)
+    _close(jax_ops.optimize(f, policy="always")(x, r, S, B), f(x, r, S, B), jnp.float32)

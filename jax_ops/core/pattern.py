@@ -11,7 +11,8 @@ A formulation's reference takes the pattern's array inputs positionally (None fo
 absent optional input) and its parameters as keywords: literal parameters (floats such
 as epsilon, found in the graph as literals and passed to the replacement), static
 settings (which flax variant, the output dtype, the softmax axis) enumerated by
-`static(avals, out_aval)`. It returns one array.
+`static(avals, out_aval)`. It returns one array, or a tuple of `len(pattern.outputs)`
+arrays.
 Matching is exact by construction: a formulation only matches where its re-traced
 jaxpr equals the graph's.
 """
@@ -37,10 +38,10 @@ def no_static(avals, out_aval):
 class Formulation:
     """One way of writing the pattern's computation.
 
-    reference(*inputs, **params, **static) -> the pattern's output (module doc).
+    reference(*inputs, **params, **static) -> the pattern's output(s) (module doc).
     static(avals, out_aval) -> the static keyword sets to try: with out_aval None when
       templates are traced at the example arguments, else the matched inputs' avals and
-      the matched output's aval (verification).
+      the matched main output's aval (verification).
     label: what rewrites() reports as the formulation ("flax.linen.LayerNorm").
     replacement: overrides the pattern's where this formulation's derivative differs
       (jnp.maximum's ties).
@@ -58,8 +59,9 @@ class Pattern:
 
     name: what rewrites() reports and optimize(patterns=/exclude=) select.
     formulations: references (module doc); the first that verifies is used.
-    replacement(*inputs, **params) -> the output, put in its place; it may take
-      `out_dtype` (the matched output's dtype); the result is cast to it.
+    replacement(*inputs, **params) -> the output (a tuple of them, in `outputs` order),
+      put in their place; it may take `out_dtype` (the matched main output's dtype);
+      each result is cast to the matched output's dtype.
     example_args: argument sets to trace the formulations at (tuples of
       jax.ShapeDtypeStruct or None), covering the structures to look for; matches are
       re-verified at their exact shapes.
@@ -70,11 +72,19 @@ class Pattern:
       Literals or None) or the reason not to replace.
     decide(avals, params) -> None or why policy="auto" keeps the original (default:
       jax_ops.explain of the replacement picks one of our kernels).
+    outputs: names of the reference's results. The first is the main output: the match
+      ends at its equation. The others are values computed on the way to it that may
+      also be used outside the match (add+norm's h, BatchNorm's batch mean and
+      variance); any other intermediate used outside the match prevents the rewrite.
     priority: patterns are tried in decreasing priority, then in declaration order (the
       ops in the order the package imports them, each op's list in order, then the
       fx-level ones), and an equation matched by one is not matched again. An op lists
       a pattern before those it contains (add_relu before relu); a pattern containing
       another module's (batch_norm_add_relu contains add_relu) gets a higher priority.
+    no_broadcast: argument positions that must be whole arrays of the main output's
+      shape, not computed by broadcast_in_dim (a residual; a bias vector, or one
+      broadcast to x's shape, is not one: the replacement would read it materialized).
+      Where one is not, there is no candidate (nothing is reported).
     """
     name: str
     formulations: Sequence[Formulation]
@@ -82,12 +92,15 @@ class Pattern:
     example_args: Sequence[tuple]
     params: dict = dataclasses.field(default_factory=dict)
     accepts: Callable[[list], str | None] = lambda avals: None
+    outputs: tuple = ("y",)
     priority: int = 0
+    no_broadcast: tuple = ()
     note: str = ""
     specialize: Callable | None = None
     decide: Callable | None = None
 
     def __post_init__(self):
+        self.outputs = tuple(self.outputs)
         for f in self.formulations:
             f.pattern_name = self.name
 

@@ -37,7 +37,8 @@ def templates(pattern: Pattern) -> list:
             for args in pattern.example_args:
                 for static in f.static(list(args), None):
                     try:
-                        t = build_template(f, args, pattern.params, static)
+                        t = build_template(f, args, pattern.params, static,
+                                           len(pattern.outputs))
                     except (TypeError, ValueError) as e:
                         if "literal parameter" in str(e):
                             raise
@@ -66,16 +67,24 @@ def templates_by_anchor(pattern: Pattern) -> dict:
     return by
 
 
-def replace(pattern: Pattern, args: list, params: dict, out_dtype,
-            formulation: Formulation | None = None):
+def replace(pattern: Pattern, args: list, params: dict, out_dtypes: Sequence,
+            formulation: Formulation | None = None) -> list:
     """The replacement (the formulation's own, if it has one) at the match's inputs and
-    parameters, in the matched result's dtype."""
+    parameters: its results (one per `pattern.outputs`) in the matched outputs' dtypes."""
     fn = (formulation.replacement if formulation is not None else None) or pattern.replacement
     kw = dict(params)
     if _takes_out_dtype(fn):
-        kw["out_dtype"] = out_dtype
-    y = jnp.asarray(fn(*args, **kw))
-    return y if y.dtype == out_dtype else y.astype(out_dtype)
+        kw["out_dtype"] = out_dtypes[0]
+    ys = fn(*args, **kw)
+    ys = [ys] if len(pattern.outputs) == 1 else list(ys)
+    if len(ys) != len(out_dtypes):
+        raise ValueError(f"pattern {pattern.name!r}: the replacement returns {len(ys)} results, "
+                         f"the pattern has outputs {pattern.outputs}")
+    out = []
+    for y, dtype in zip(ys, out_dtypes):
+        y = jnp.asarray(y)
+        out.append(y if y.dtype == dtype else y.astype(dtype))
+    return out
 
 
 def _takes_out_dtype(fn) -> bool:

@@ -761,9 +761,74 @@ def _rms_norm_formulations() -> list[Formulation]:
     return forms
 
 
+# add+norm: h = x + r, then any of the norm formulations of h; h is an output (the
+# next residual of a pre-norm transformer is used later), rounded to x's dtype as the
+# op's h is. y must not be wider than x: the fused op gives y in x's dtype (flax with
+# float32 parameters and dtype=None: the plain norm pattern then takes the norm alone).
+
+def _add_examples(examples):
+    return [(a[0], a[0], *a[1:]) for a in examples]
+
+
+def _add_then(norm, label):
+    def add_norm(x, r, *params, **kw):
+        h = x + r
+        return norm(h, *params, **kw), h
+    add_norm.__name__ = f"add_{norm.__name__}"
+    return Formulation(add_norm, label=f"x + r, then {label}")
+
+
+def _add_formulations(forms: list[Formulation]) -> list[Formulation]:
+    out = []
+    for f in forms:
+        g = _add_then(f.reference, f.label)
+        g.static = f.static
+        out.append(g)
+    return out
+
+
+def _add_norm_accepts(avals):
+    x, r = avals[:2]
+    if tuple(r.shape) != tuple(x.shape) or r.dtype != x.dtype:
+        return (f"the residual is {r.dtype}{list(r.shape)}, not x's {x.dtype}{list(x.shape)} "
+                "(add_layer_norm's h takes x's shape and dtype)")
+    return _norm_accepts([x, *avals[2:]])
+
+
+def _check_not_wider(op, x, out_dtype):
+    if jnp.finfo(out_dtype).bits > jnp.finfo(x.dtype).bits:
+        raise ValueError(f"jax_ops.{op} gives y in x's dtype {_fmt_dtype(x.dtype)}; the matched "
+                         f"norm's result is {_fmt_dtype(out_dtype)}")
+
+
+def add_layer_norm_replacement(x, r, scale=None, bias=None, *, epsilon, out_dtype, **_):
+    _check_not_wider("add_layer_norm", x, out_dtype)
+    scale, bias = _norm_params(x, scale, bias)
+    y, h = add_layer_norm(x, r, scale, bias, epsilon=epsilon)
+    return y.astype(out_dtype), h
+
+
+def add_rms_norm_replacement(x, r, scale=None, *, epsilon, out_dtype, **_):
+    _check_not_wider("add_rms_norm", x, out_dtype)
+    scale, _ = _norm_params(x, scale, None)
+    y, h = add_rms_norm(x, r, scale, epsilon=epsilon)
+    return y.astype(out_dtype), h
+
+
 def norm_patterns() -> list[Pattern]:
-    """layer_norm, rms_norm (docs/fx.md)."""
-    return [Pattern("layer_norm", _layer_norm_formulations(), layer_norm_replacement,
+    """add_layer_norm, add_rms_norm, then layer_norm, rms_norm (which they contain);
+    docs/fx.md."""
+    return [Pattern("add_layer_norm", _add_formulations(_layer_norm_formulations()),
+                    add_layer_norm_replacement, _add_examples(_norm_examples(True)),
+                    params={"epsilon": 1e-5}, accepts=_add_norm_accepts, outputs=("y", "h"),
+                    no_broadcast=(0, 1),
+                    note="residual add + LayerNorm over the last axis; h used later"),
+            Pattern("add_rms_norm", _add_formulations(_rms_norm_formulations()),
+                    add_rms_norm_replacement, _add_examples(_norm_examples(False)),
+                    params={"epsilon": 1e-6}, accepts=_add_norm_accepts, outputs=("y", "h"),
+                    no_broadcast=(0, 1),
+                    note="residual add + RMSNorm over the last axis; h used later"),
+            Pattern("layer_norm", _layer_norm_formulations(), layer_norm_replacement,
                     _norm_examples(True), params={"epsilon": 1e-5}, accepts=_norm_accepts,
                     note="LayerNorm over the last axis, statistics in float32"),
             Pattern("rms_norm", _rms_norm_formulations(), rms_norm_replacement,
