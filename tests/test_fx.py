@@ -858,3 +858,141 @@ def test_add_norm_input_computed_after_a_use_of_h_is_kept():
     assert any(r.pattern == "add_layer_norm" and not r.replaced and "computed after" in r.reason
                for r in recs), str(recs)
     _close(jax_ops.optimize(f, policy="always")(x, r, S, B), f(x, r, S, B), jnp.float32)
+
+
+# ------------------------------------------------------ BatchNorm + ReLU (NHWC) ---
+
+class ResBlock(nn.Module):
+    """A ResNet basic block: conv-BN-relu, conv-BN, + the input, relu (NHWC)."""
+    train: bool = True
+    dtype: object = jnp.float32
+    momentum: float = 0.9
+
+    @nn.compact
+    def __call__(self, x):
+        conv = lambda: nn.Conv(x.shape[-1], (3, 3), use_bias=False, dtype=self.dtype)  # noqa: E731
+        bn = lambda: nn.BatchNorm(use_running_average=not self.train,  # noqa: E731
+                                  momentum=self.momentum, dtype=self.dtype)
+        y = nn.relu(bn()(conv()(x)))
+        y = bn()(conv()(y))
+        return nn.relu(x + y)
+
+
+def _tree_agree(fast, orig, truth, dtype):
+    """_agree per leaf, relative to the leaf's magnitude (gradients of a network reach
+    10^3: float32 sums in another order differ there by 10^-2)."""
+    def one(a, b, c):
+        scale = max(1.0, float(np.abs(np.asarray(c, np.float32)).max(initial=0.0)))
+        _agree(*(np.asarray(t, np.float32) / scale for t in (a, b, c)), dtype)
+    jax.tree_util.tree_map(one, fast, orig, truth)
+
+
+def _check_tree(fn, args, dtype, grad_argnums, main=lambda out: out):
+    """optimize(fn) agrees with fn on every output (Flax state updates included), under
+    jit, and in the gradient of a loss of main(output)."""
+    fast = jax_ops.optimize(fn, policy="always")
+    truth = fn(*_f32(args))
+    _tree_agree(fast(*args), fn(*args), truth, dtype)
+    _tree_agree(jax.jit(fast)(*args), fn(*args), truth, dtype)
+
+    def loss(f):
+        return lambda *a: jnp.sum(jnp.sin(main(f(*a)).astype(jnp.float32)))
+    g = [jax.grad(loss(f), argnums=grad_argnums)(*a) for f, a in
+         ((fast, args), (fn, args), (fn, _f32(args)))]
+    _tree_agree(*g, dtype)
+    return fast
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("train", [True, False])
+def test_flax_resnet_block_batch_norm_relu(train, dtype):
+    m = ResBlock(train, dtype)
+    x = _x((2, 5, 5, 8), dtype)
+    v = m.init(jax.random.key(0), x)
+    v = jax.tree_util.tree_map(lambda a: a + 0.2 * jnp.abs(_x(a.shape, a.dtype, 1)), v)
+    if not train:  # running statistics as training leaves them: the data's (momentum 0)
+        v = {**v, **ResBlock(True, dtype, momentum=0.0).apply(v, x, mutable=["batch_stats"])[1]}
+
+    def fn(x, v):
+        return m.apply(v, x, mutable=["batch_stats"])
+    fast = _check_tree(fn, (x, v), dtype, (0, 1), main=lambda out: out[0])
+    assert "jax_ops_bn_relu_fwd" in _ops_in(fast, x, v)
+    recs = fx.rewrites(fn, x, v, policy="always")
+    mode = "training" if train else "inference"
+    assert [(r.pattern, r.replaced) for r in recs] == [
+        ("batch_norm_relu", True), ("batch_norm_add_relu", True)], str(recs)
+    assert all(r.formulation.startswith(f"flax.linen.BatchNorm({mode})") for r in recs)
+    if train:  # the batch statistics reach the running averages
+        new = fast(x, v)[1]["batch_stats"]["BatchNorm_0"]
+        assert not np.allclose(new["mean"], v["batch_stats"]["BatchNorm_0"]["mean"])
+
+
+def _flax_bn_train(x, s, b, *, eps=1e-5, axes=(0, 1, 2), extra=False):
+    """flax.linen.BatchNorm's training computation, written out (as flax writes it)."""
+    from flax.linen import normalization as flax_norm
+    mean, var = flax_norm._compute_stats(x, axes, None)
+    m = jnp.expand_dims(mean, axes)
+    v = jnp.expand_dims(var, axes)
+    y = x - m
+    mul = jax.lax.rsqrt(v + eps)
+    mul *= s.reshape(1, 1, 1, -1)
+    y *= mul
+    y += b.reshape(1, 1, 1, -1)
+    return (y, mean, var, mul) if extra else (y, mean, var)
+
+
+XB, SB, BB = _x((2, 3, 3, 8)), 1 + 0.1 * _x((8,), seed=2), _x((8,), seed=3)
+
+
+def test_batch_norm_unbiased_running_variance_is_still_the_pattern():
+    # PyTorch's running variance takes var * n / (n - 1): a use of the returned batch
+    # variance, which the op computes exactly as the pattern's
+    def f(x, s, b):
+        y, mean, var = _flax_bn_train(x, s, b)
+        n = x.size // x.shape[-1]
+        return jax.nn.relu(y), 0.9 + 0.1 * mean, 0.9 + 0.1 * var * (n / (n - 1))
+    fast = _check_tree(f, (XB, SB, BB), jnp.float32, (0, 1, 2), main=lambda out: out[0])
+    assert _patterns_replaced(f, XB, SB, BB) == ["batch_norm_relu"]
+    assert "jax_ops_bn_relu_fwd" in _ops_in(fast, XB, SB, BB)
+
+
+def test_near_miss_batch_norm_intermediate_used_by_the_stats():
+    # the "running statistics" take the normalizer, not the batch variance
+    def f(x, s, b):
+        y, mean, var, mul = _flax_bn_train(x, s, b, extra=True)
+        return jax.nn.relu(y), 0.9 + 0.1 * mean, mul
+    fast = jax_ops.optimize(f, policy="always", patterns=["batch_norm_relu"])
+    assert not _ops_in(fast, XB, SB, BB)
+    recs = fx.rewrites(f, XB, SB, BB, policy="always", patterns=["batch_norm_relu"])
+    assert recs and not recs.replaced
+    assert all("intermediate mul used elsewhere" in r.reason for r in recs), str(recs)
+
+
+def test_near_miss_batch_norm_over_another_axis():
+    m = nn.BatchNorm(use_running_average=False, axis=1)  # NCHW: channels on axis 1
+    x = _x((2, 8, 3, 3))
+    v = m.init(jax.random.key(0), x)
+
+    def fn(x, v):
+        y, state = m.apply(v, x, mutable=["batch_stats"])
+        return jax.nn.relu(y), state
+    recs = fx.rewrites(fn, x, v, policy="always", patterns=["batch_norm_relu"])
+    assert not recs.replaced, str(recs)
+    fast = jax_ops.optimize(fn, policy="always", patterns=["batch_norm_relu"])
+    assert not _ops_in(fast, x, v)
+
+
+def test_near_miss_batch_norm_relu_before_the_add():
+    def f(x, z, s, b):  # relu(bn(x)) + z: batch_norm_relu, then an add
+        return jax.nn.relu(_flax_bn_train(x, s, b)[0]) + z
+    z = _x(XB.shape, seed=7)
+    assert _patterns_replaced(f, XB, z, SB, BB) == ["batch_norm_relu"]
+    _check(f, (XB, z, SB, BB), jnp.float32, expect_op="jax_ops_bn_relu_fwd", grad_argnums=(0, 1, 2, 3))
+
+
+def test_near_miss_batch_norm_eps_outside_the_rsqrt():
+    def f(x, s, b):
+        mean = jnp.mean(x, (0, 1, 2))
+        var = jnp.mean(jnp.square(x - mean), (0, 1, 2))
+        return jax.nn.relu((x - mean) / (jnp.sqrt(var) + 1e-5) * s + b)
+    assert _patterns_replaced(f, XB, SB, BB) == ["add_relu"]  # relu(... + b) only
