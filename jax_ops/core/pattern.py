@@ -11,8 +11,8 @@ A formulation's reference takes the pattern's array inputs positionally (None fo
 absent optional input) and its parameters as keywords: literal parameters (floats such
 as epsilon, found in the graph as literals and passed to the replacement), static
 settings (which flax variant, the output dtype, the softmax axis) enumerated by
-`static(avals, out_aval)`. It returns one array, or a tuple of `len(pattern.outputs)`
-arrays.
+`static(avals, out_aval)` and, for the primitives in `node_params`, the matched
+equations' params. It returns one array, or a tuple of `len(pattern.outputs)` arrays.
 Matching is exact by construction: a formulation only matches where its re-traced
 jaxpr equals the graph's.
 """
@@ -45,12 +45,18 @@ class Formulation:
     label: what rewrites() reports as the formulation ("flax.linen.LayerNorm").
     replacement: overrides the pattern's where this formulation's derivative differs
       (jnp.maximum's ties).
+    node_params: primitive names (e.g. "conv_general_dilated") whose matched equation's
+      params the reference and the replacement receive as a keyword of that name: a
+      tuple of (param name, value) pairs (None while the templates are traced). For
+      settings that are neither literals nor derived from the avals (a conv's strides,
+      padding, dimension numbers); verification still compares them.
     """
     reference: Callable
     static: Callable[[list, Any], list] = no_static
     label: str = ""
     pattern_name: str = ""
     replacement: Callable | None = None
+    node_params: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)  # hashed by identity (fx caches templates per pattern)

@@ -441,6 +441,14 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
     for a in args.values():
         if isinstance(a, Value) and a.producer in rev:
             found.append((a.producer.index, "an input of the pattern is computed inside the match"))
+    if rev:
+        first = min(n.index for n in rev)
+        for pos, a in args.items():
+            if isinstance(a, Value) and a.producer not in rev and _depends_on(a, rev, first):
+                # e.g. a BatchNorm's "running" mean computed from the conv's output: the
+                # batch statistics of training, not an inference BatchNorm
+                found.append((a.producer.index, f"input {pos} of the pattern is computed from "
+                                                "values of the match"))
     outputs = [anchor.outputs[out.index]]
     for k, pv in enumerate(ref.outputs[1:], 1):
         gn = mapping.get(pv.producer) if isinstance(pv, Value) else None
@@ -452,6 +460,24 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
         raise Mismatch(min(found)[1], len(order) - len(found))
     order.sort(key=lambda n: n.index)
     return Verified(order, {g: p for p, g in mapping.items()}, {}, out.aval, outputs)
+
+
+def _depends_on(v: Value, nodes, first: int) -> bool:
+    """Whether v is computed from a result of `nodes` (whose earliest index is first:
+    earlier equations can't depend on them, so the walk stays near the match)."""
+    seen: set = set()
+    stack = [v]
+    while stack:
+        a = stack.pop()
+        if not isinstance(a, Value) or a.producer is None or a.producer.index < first:
+            continue
+        n = a.producer
+        if n in nodes:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.inputs)
+    return False
 
 
 def _short(v) -> str:

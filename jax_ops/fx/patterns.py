@@ -36,6 +36,7 @@ def templates(pattern: Pattern) -> list:
         for f in pattern.formulations:
             for args in pattern.example_args:
                 for static in f.static(list(args), None):
+                    static = {**static, **{name: None for name in f.node_params}}
                     try:
                         t = build_template(f, args, pattern.params, static,
                                            len(pattern.outputs))
@@ -102,11 +103,12 @@ _USER: list[Pattern] = []
 
 def fx_patterns() -> list[Pattern]:
     """Patterns whose replacement is not one of our ops (declared in jax_ops/fx)."""
+    from jax_ops.fx import conv_batch_norm
     from jax_ops.fx.attention import attention_patterns
     attention = attention_patterns()
     for p in attention:  # it contains softmax_scaled / softmax (ops/softmax.py)
         p.priority = max(p.priority, 1)
-    return attention
+    return [*attention, *conv_batch_norm.patterns()]
 
 
 def builtin_patterns() -> list[Pattern]:

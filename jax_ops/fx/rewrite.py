@@ -215,7 +215,11 @@ def _verify(pattern, cand: M.Candidate, graph: Graph):
         return 0, why
     out_aval = cand.anchor.outputs[t.output.index].aval
     best = None
+    # the params of the matched equations the formulation takes (a conv's strides...)
+    node_kw = {tn.name: tuple(sorted(gn.params.items())) for tn, gn in cand.nodes.items()
+               if tn.name in t.formulation.node_params}
     for static in t.formulation.static(avals, out_aval):
+        static = {**node_kw, **static}
         try:
             ref, arg_of_input = _retrace(t.formulation, tuple(avals),
                                          tuple(sorted({**cand.params, **static}.items(), key=str)),
@@ -242,6 +246,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
     considered: set = set()  # nodes of verified candidates: their bodies are not searched
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
     failures: list = []  # (record, anchor, stage, nodes) of near misses
+    verified_by: dict = {}  # node -> names of the patterns with a verified match over it
     for pattern in patterns:
         by_anchor = P.templates_by_anchor(pattern)
         for node in reversed(graph.nodes):
@@ -263,6 +268,8 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     continue
                 v, avals = result
                 considered.update(v.nodes)
+                for n in v.nodes:
+                    verified_by.setdefault(n, set()).add(pattern.name)
                 if claimed & set(v.nodes):
                     continue
                 reason = M.escaping_intermediate(v, graph)
@@ -305,12 +312,15 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     failures.append((rec, node, stage, nodes))
     # Near misses superseded by a replacement at the same anchor under the same name
     # (attention has several Pattern objects), or by a near miss of that name that
-    # covers more of the graph (it got further).
+    # covers more of the graph (it got further); and a near miss that failed before
+    # verification where another pattern verifiably matches the anchor: that pattern's
+    # computation (a LayerNorm + relu is no BatchNorm + relu).
     replaced_at = {(m.pattern.name, m.nodes[-1]) for queue in plan.at.values() for m in queue}
-    for rec, node, _, nodes in failures:
+    for rec, node, stage, nodes in failures:
         covered = any(o is not rec and o.pattern == rec.pattern and nodes < o_nodes
                       for o, _, _, o_nodes in failures)
-        if covered or (rec.pattern, node) in replaced_at:
+        other = stage < 3 and verified_by.get(node, set()) - {rec.pattern}
+        if covered or other or (rec.pattern, node) in replaced_at:
             records.remove(rec)
     # Bodies: rewritten in place where the primitive can be re-issued, reported otherwise.
     for node in graph.nodes:

@@ -521,7 +521,7 @@ def batch_norm_specs() -> dict[str, BenchSpec]:
 # given running statistics. jnp.maximum(., 0) is not matched (its derivative at 0 is
 # 0.5; the op's, like jax.nn.relu's, 0).
 
-def _flax_linen_batch_norm(x, scale, bias, mean, var, *, epsilon, training, fast, dtype):
+def flax_linen_batch_norm(x, scale, bias, mean, var, *, epsilon, training, fast, dtype):
     """flax.linen.BatchNorm(axis=-1) (flax/linen/normalization.py: BatchNorm.__call__,
     _compute_stats, _normalize) with its parameters and running statistics passed in;
     training: also the batch statistics."""
@@ -556,7 +556,7 @@ def _bn_relu_reference(add: bool, training: bool):
         z, args = (args[0], args[1:]) if add else (None, args)
         scale, bias, *stats = args
         mean, var = stats if stats else (None, None)
-        y, stats = _flax_linen_batch_norm(x, scale, bias, mean, var, epsilon=epsilon,
+        y, stats = flax_linen_batch_norm(x, scale, bias, mean, var, epsilon=epsilon,
                                           training=training, fast=fast, dtype=dtype)
         y = jax.nn.relu(y + z) if add else jax.nn.relu(y)
         return (y, *stats) if training else y
