@@ -441,14 +441,6 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
     for a in args.values():
         if isinstance(a, Value) and a.producer in rev:
             found.append((a.producer.index, "an input of the pattern is computed inside the match"))
-    if rev:
-        first = min(n.index for n in rev)
-        for pos, a in args.items():
-            if isinstance(a, Value) and a.producer not in rev and _depends_on(a, rev, first):
-                # e.g. a BatchNorm's "running" mean computed from the conv's output: the
-                # batch statistics of training, not an inference BatchNorm
-                found.append((a.producer.index, f"input {pos} of the pattern is computed from "
-                                                "values of the match"))
     outputs = [anchor.outputs[out.index]]
     for k, pv in enumerate(ref.outputs[1:], 1):
         gn = mapping.get(pv.producer) if isinstance(pv, Value) else None
@@ -460,6 +452,19 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
         raise Mismatch(min(found)[1], len(order) - len(found))
     order.sort(key=lambda n: n.index)
     return Verified(order, {g: p for p, g in mapping.items()}, {}, out.aval, outputs)
+
+
+def input_from_match(cand: Candidate) -> bool:
+    """Whether an input of the candidate is computed from values inside it (e.g. an
+    inference BatchNorm's "running" mean computed from the conv's output: the batch
+    statistics of training). Then it is not a candidate: replacing it would need its
+    own results to compute its inputs."""
+    nodes = set(cand.nodes.values())
+    if not nodes:
+        return False
+    first = min(n.index for n in nodes)
+    return any(isinstance(a, Value) and a.producer not in nodes and _depends_on(a, nodes, first)
+               for a in cand.args.values())
 
 
 def _depends_on(v: Value, nodes, first: int) -> bool:

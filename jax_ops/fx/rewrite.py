@@ -255,7 +255,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
             failure = None
             for t in by_anchor[node.name]:
                 cand = M.structural(t, node)
-                if cand is None or _broadcast_input(pattern, cand):
+                if cand is None or _broadcast_input(pattern, cand) or M.input_from_match(cand):
                     continue
                 if claimed & set(cand.nodes.values()):
                     continue
