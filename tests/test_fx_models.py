@@ -45,8 +45,9 @@ def test_hf_gpt2_lm_loss_and_grads():
         logp = jax.nn.log_softmax(logits[:, :-1])
         return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
     counts, recs = _replaced(loss, model.params, ids)
-    # 2 blocks x (ln_1, ln_2) + ln_f; attention with the causal mask HF builds; log_softmax
-    assert counts["layer_norm"] == 5 and counts["attention"] == 2, recs
+    # 2 blocks x (ln_1, ln_2) + ln_f, each of a residual sum (the first: token +
+    # position embeddings): add_layer_norm; attention with HF's causal mask; log_softmax
+    assert counts["add_layer_norm"] == 5 and counts["attention"] == 2, recs
     assert all(r.params.get("is_causal") for r in recs if r.pattern == "attention")
     fast = jax_ops.optimize(loss, policy="always")
     assert _rel(jax.jit(fast)(model.params, ids), loss(model.params, ids)) < 1e-5
@@ -68,13 +69,14 @@ def test_hf_bert_encoder():
         return model(ids, attention_mask=padded, params=params).last_hidden_state
 
     counts, recs = _replaced(encode, model.params, ids)
-    assert counts["layer_norm"] == 5 and counts["attention"] == 2, recs  # embeddings + 2x2
+    # embeddings + 2x2 post-norm LayerNorms, each of a sum: add_layer_norm
+    assert counts["add_layer_norm"] == 5 and counts["attention"] == 2, recs
     assert not any(r.params.get("is_causal") for r in recs if r.pattern == "attention")
     fast = jax_ops.optimize(encode, policy="always")
     assert _rel(jax.jit(fast)(model.params, ids), encode(model.params, ids)) < 1e-5
 
     counts, recs = _replaced(encode_padded, model.params, ids, padded)
-    assert counts["attention"] == 0 and counts["layer_norm"] == 5, recs
+    assert counts["attention"] == 0 and counts["add_layer_norm"] == 5, recs
     kept = [r for r in recs if r.pattern == "attention"]
     assert kept and all("computed from inputs" in r.reason for r in kept), kept
     fast = jax_ops.optimize(encode_padded, policy="always")

@@ -408,17 +408,21 @@ class Op:
       kernel with the op's documented signature into stage functions.
     bench: () -> {benchmark name: BenchSpec} (core/benchspec.py): the benchmark's inputs,
       implementations, baselines and minimum bytes; called when the benchmark asks.
+    patterns: () -> [Pattern] (core/pattern.py): the computations jax_ops.optimize
+      rewrites into this op's public functions; called when jax_ops.fx first needs them.
     """
 
     def __init__(self, names: Sequence[str], fwd: Stage, bwd: Stage, *,
                  outputs: Callable[[dict], tuple[str, ...]], residuals: Callable,
                  backward: Callable, train: Callable[[dict], dict] = lambda p: p,
                  impls: dict[str, Impl] | None = None, user_adapter: Callable | None = None,
-                 bench: Callable[[], dict] | None = None):
+                 bench: Callable[[], dict] | None = None,
+                 patterns: Callable[[], list] | None = None):
         self.names, self.fwd, self.bwd = tuple(names), fwd, bwd
         self.outputs, self.residuals, self.backward, self.train = outputs, residuals, backward, train
         self.user_adapter = user_adapter
         self.bench = bench or dict
+        self.patterns = patterns or list
         self.tangent_prim = self._define_tangent()
         ad.primitive_jvps[fwd.prim] = self._fwd_jvp
         impls = {"xla": Impl({"fwd": reference_impl(fwd), "bwd": reference_impl(bwd)},

@@ -1,5 +1,6 @@
 """jax_ops.fx: inspect a JAX function as a graph, profile it, and rewrite known
-subgraphs (LayerNorm, RMSNorm, softmax, ReLU...) into jax_ops ops, exactly.
+subgraphs (LayerNorm, RMSNorm, softmax, ReLU, BatchNorm...) into jax_ops ops, exactly,
+and fold inference BatchNorm into the preceding convolution.
 
   g = jax_ops.fx.trace(fn, *args)           # Graph; print(g.tabular())
   jax_ops.fx.profile(fn, *args)             # where the time goes
@@ -27,7 +28,8 @@ Private JAX APIs used (keep this list short and current):
                                             profile.py: CUPTI per-kernel times on GPU
   flax.linen.normalization._compute_stats,
   flax.nnx.nn.normalization._compute_stats/_normalize (flax-private)
-                                            patterns.py: the exact flax formulations
+                                            ops/layer_norm.py, ops/batch_norm.py: the
+                                            exact flax formulations
 """
 from jax_ops.fx.graph import Graph, Literal, Node, Value, trace
 from jax_ops.fx.patterns import Formulation, Pattern, register_pattern, unregister_pattern

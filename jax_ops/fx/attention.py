@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ops.fx.graph import Literal, Value
-from jax_ops.fx.patterns import Formulation, Pattern
+from jax_ops.core.pattern import Formulation, Pattern
 
 _F32, _BF16, _F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 #: a masked bias entry must be at most this: exp(masked logit - row max) is exactly 0

@@ -34,7 +34,8 @@ SENTINELS = (93 / 1024, 101 / 1024, 105 / 1024, 107 / 1024, 109 / 1024, 113 / 10
 
 @dataclasses.dataclass
 class Template:
-    """One traced formulation: its graph, output, which argument each input is."""
+    """One traced formulation: its graph, main output, which argument each input is,
+    and its other outputs (values inside it that may be used outside a match)."""
     formulation: Any
     graph: Graph
     output: Value
@@ -46,15 +47,17 @@ class Template:
     # (node index, operand index) -> value of a literal that is the same at every shape
     # (0.0 in max(x, 0.0), -inf in softmax): the structural search compares it; other
     # literals (a row length 8.0 in a mean) are compared by verification only.
+    extra_outputs: tuple = ()
 
     @property
     def anchor_primitive(self) -> str:
         return self.output.producer.name
 
 
-def trace_reference(fn, args, kwargs) -> tuple[Graph, dict, tuple]:
-    """fn(*args, **kwargs) as a flat graph; None args stay None (absent inputs).
-    Returns (graph, template input -> argument position, None positions)."""
+def trace_reference(fn, args, kwargs, n_outputs: int = 1) -> tuple[Graph, dict, tuple]:
+    """fn(*args, **kwargs) as a flat graph; None args stay None (absent inputs); fn
+    returns n_outputs arrays (one, or a tuple). Returns (graph, template input ->
+    argument position, None positions)."""
     positions = [i for i, a in enumerate(args) if a is not None]
 
     def call(*present):
@@ -64,19 +67,27 @@ def trace_reference(fn, args, kwargs) -> tuple[Graph, dict, tuple]:
         return fn(*full, **kwargs)
 
     closed, _, out_tree, _ = make_closed_jaxpr(call, tuple(args[i] for i in positions), {})
-    if out_tree.num_leaves != 1:
-        raise ValueError(f"a pattern reference must return one array; {fn} returns {out_tree}")
+    if out_tree.num_leaves != n_outputs:
+        raise ValueError(f"a pattern reference must return {n_outputs} array(s); {fn} returns "
+                         f"{out_tree}")
     g = Graph.from_jaxpr(closed.jaxpr, closed.consts, inline_jit=True)
     arg_of_input = {v: p for v, p in zip(g.inputs, positions)}
     return g, arg_of_input, tuple(i for i, a in enumerate(args) if a is None)
 
 
-def build_template(formulation, args, literal_params: dict, static: dict) -> Template | None:
+def build_template(formulation, args, literal_params: dict, static: dict,
+                   n_outputs: int = 1) -> Template | None:
     sentinels = {name: SENTINELS[i] for i, name in enumerate(literal_params)}
-    g, arg_of_input, none_args = trace_reference(formulation.reference, args, {**sentinels, **static})
+    g, arg_of_input, none_args = trace_reference(formulation.reference, args,
+                                                 {**sentinels, **static}, n_outputs)
     out = g.outputs[0]
     if not isinstance(out, Value) or out.producer is None:
         return None  # the reference returns an input or a constant: nothing to match
+    inside = _ancestors(out)
+    for k, o in enumerate(g.outputs[1:], 1):
+        if not isinstance(o, Value) or o.producer not in inside:
+            raise ValueError(f"pattern {formulation.pattern_name!r}: output {k} of the reference "
+                             "is not computed on the way to its first output")
     slots = {}
     found = set()
     for node in g.nodes:
@@ -92,9 +103,22 @@ def build_template(formulation, args, literal_params: dict, static: dict) -> Tem
         raise ValueError(f"pattern {formulation.pattern_name!r}: literal parameter(s) {sorted(missing)} "
                          "never reach the traced reference as a literal operand (use each one "
                          "directly in a jnp/lax operation, e.g. var + epsilon)")
-    t = Template(formulation, g, out, arg_of_input, none_args, slots, static)
-    t.fixed = _fixed_literals(t, formulation, args, {**sentinels, **static})
+    t = Template(formulation, g, out, arg_of_input, none_args, slots, static,
+                 extra_outputs=tuple(g.outputs[1:]))
+    t.fixed = _fixed_literals(t, formulation, args, {**sentinels, **static}, n_outputs)
     return t
+
+
+def _ancestors(v: Value) -> set:
+    """The nodes v is computed by (its producer and theirs, recursively)."""
+    seen: set = set()
+    stack = [v]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, Value) and a.producer is not None and a.producer not in seen:
+            seen.add(a.producer)
+            stack.extend(a.producer.inputs)
+    return seen
 
 
 def _literal_values(g: Graph) -> dict:
@@ -102,13 +126,13 @@ def _literal_values(g: Graph) -> dict:
             if isinstance(a, Literal)}
 
 
-def _fixed_literals(t: Template, formulation, args, kwargs) -> dict:
+def _fixed_literals(t: Template, formulation, args, kwargs, n_outputs: int = 1) -> dict:
     """Literals whose value doesn't change when every dimension of the arguments is
     doubled (same structure); none when the structure changes with the shape."""
     bigger = [None if a is None else jax.ShapeDtypeStruct(tuple(2 * d for d in a.shape), a.dtype)
               for a in args]
     try:
-        g2, _, _ = trace_reference(formulation.reference, bigger, kwargs)
+        g2, _, _ = trace_reference(formulation.reference, bigger, kwargs, n_outputs)
     except Exception:
         return {}
     if [(n.name, len(n.inputs)) for n in g2.nodes] != [(n.name, len(n.inputs)) for n in t.graph.nodes]:
@@ -138,7 +162,8 @@ def structure_key(t: Template) -> tuple:
                 ops.append((ids[a.producer], a.index))
         ids[node] = len(rows)
         rows.append((node.name, tuple(ops), len(node.outputs)))
-    return tuple(rows), t.none_args
+    extras = tuple((ids[o.producer], o.index) for o in t.extra_outputs)
+    return tuple(rows), t.none_args, extras
 
 
 # ------------------------------------------------------------- structural ---
@@ -271,6 +296,8 @@ class Verified:
     pattern_of: dict       # graph node -> re-traced reference node
     static: dict
     out_aval: Any
+    outputs: list = dataclasses.field(default_factory=list)
+    # the graph values of the pattern's outputs: the main one, then the others
 
 
 class Mismatch(Exception):
@@ -414,10 +441,48 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
     for a in args.values():
         if isinstance(a, Value) and a.producer in rev:
             found.append((a.producer.index, "an input of the pattern is computed inside the match"))
+    outputs = [anchor.outputs[out.index]]
+    for k, pv in enumerate(ref.outputs[1:], 1):
+        gn = mapping.get(pv.producer) if isinstance(pv, Value) else None
+        if gn is None:
+            found.append((anchor.index, f"output {k} of the pattern is not computed by the match"))
+            continue
+        outputs.append(gn.outputs[pv.index])
     if found:
         raise Mismatch(min(found)[1], len(order) - len(found))
     order.sort(key=lambda n: n.index)
-    return Verified(order, {g: p for p, g in mapping.items()}, {}, out.aval)
+    return Verified(order, {g: p for p, g in mapping.items()}, {}, out.aval, outputs)
+
+
+def input_from_match(cand: Candidate) -> bool:
+    """Whether an input of the candidate is computed from values inside it (e.g. an
+    inference BatchNorm's "running" mean computed from the conv's output: the batch
+    statistics of training). Then it is not a candidate: replacing it would need its
+    own results to compute its inputs."""
+    nodes = set(cand.nodes.values())
+    if not nodes:
+        return False
+    first = min(n.index for n in nodes)
+    return any(isinstance(a, Value) and a.producer not in nodes and _depends_on(a, nodes, first)
+               for a in cand.args.values())
+
+
+def _depends_on(v: Value, nodes, first: int) -> bool:
+    """Whether v is computed from a result of `nodes` (whose earliest index is first:
+    earlier equations can't depend on them, so the walk stays near the match)."""
+    seen: set = set()
+    stack = [v]
+    while stack:
+        a = stack.pop()
+        if not isinstance(a, Value) or a.producer is None or a.producer.index < first:
+            continue
+        n = a.producer
+        if n in nodes:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.inputs)
+    return False
 
 
 def _short(v) -> str:
@@ -438,14 +503,17 @@ def intermediate_name(ref_node: Node) -> str:
 
 
 def escaping_intermediate(v: Verified, graph: Graph) -> str | None:
-    """Reason if a value computed inside the match (other than its output) is used
+    """Reason if a value computed inside the match (other than its outputs) is used
     outside it: replacing the match would then leave that use without its value."""
     inside = set(v.nodes)
     anchor = v.nodes[-1]
+    outputs = set(v.outputs)
     for n in v.nodes:
         if n is anchor:
             continue
         for o in n.outputs:
+            if o in outputs:
+                continue
             outside = [u for u in o.users if u not in inside]
             if outside or graph.is_output(o):
                 name = intermediate_name(v.pattern_of[n])

@@ -14,7 +14,7 @@ import numpy as np
 
 from jax_ops.fx import match as M
 from jax_ops.fx import patterns as P
-from jax_ops.fx.graph import Graph, Literal, Node, _table, make_closed_jaxpr
+from jax_ops.fx.graph import Graph, Literal, Node, Value, _table, make_closed_jaxpr
 from jax._src import source_info_util  # private: user_context (keeps source/name stack in HLO)
 from jax_ops.core.calls import explain
 from jax_ops.core.dispatch import device_kind
@@ -80,24 +80,37 @@ class Match:
     pattern: P.Pattern
     args: list              # graph operands by argument position (None: absent)
     params: dict
-    out_index: int
-    out_dtype: Any
-    nodes: list
+    outputs: list           # graph values the replacement gives (main output first)
+    out_dtypes: list
+    nodes: list             # the matched nodes, anchor last
     formulation: Any = None
+    at: Any = None          # the node before which the replacement is evaluated
 
-    def replace(self, vals):
-        return self.pattern.replace(vals, self.params, self.out_dtype, self.formulation)
+    def replace(self, vals) -> list:
+        return P.replace(self.pattern, vals, self.params, self.out_dtypes, self.formulation)
 
 
 @dataclasses.dataclass
 class Plan:
-    anchors: dict = dataclasses.field(default_factory=dict)   # anchor Node -> Match
-    skip: set = dataclasses.field(default_factory=set)        # other matched nodes
+    at: dict = dataclasses.field(default_factory=dict)        # Node -> [Match] evaluated before it
+    skip: set = dataclasses.field(default_factory=set)        # matched nodes
+    match_of: dict = dataclasses.field(default_factory=dict)  # matched node -> its Match
     bodies: dict = dataclasses.field(default_factory=dict)    # Node -> [Plan per subgraph]
 
     @property
     def empty(self) -> bool:
-        return not self.anchors and not self.bodies
+        return not self.at and not self.bodies
+
+    def add(self, m: Match):
+        """Schedule m before m.at, after the matches there that it reads from and before
+        those that read its outputs."""
+        queue = self.at.setdefault(m.at, [])
+        outs = set(m.outputs)
+        pos = next((i for i, other in enumerate(queue)
+                    if any(a in outs for a in other.args if isinstance(a, Value))), len(queue))
+        queue.insert(pos, m)
+        self.skip.update(m.nodes)
+        self.match_of.update((n, m) for n in m.nodes)
 
 
 # --------------------------------------------------------------- planning ---
@@ -128,25 +141,67 @@ def _present_call(m: Match, avals):
     return call, [avals[i] for i in present]
 
 
-def _replacement_refuses(m: Match, avals, out_aval) -> str | None:
+def _replacement_refuses(m: Match, avals) -> str | None:
     """Trace the replacement at the match's inputs (nothing runs): it must accept them
-    (e.g. epsilon >= 0) and give the matched result's shape."""
+    (e.g. epsilon >= 0) and give the matched results' shapes."""
     call, sds = _present_call(m, avals)
     try:
-        out = jax.eval_shape(call, *sds)
+        outs = jax.eval_shape(call, *sds)
     except Exception as e:  # the op's own validation, e.g. a negative epsilon
         return f"the replacement refuses these inputs: {type(e).__name__}: {e}"
-    if not hasattr(out, "shape") or tuple(out.shape) != tuple(out_aval.shape):
-        return (f"the replacement gives {getattr(out, 'shape', type(out).__name__)}, "
-                f"the match {tuple(out_aval.shape)}")
+    for out, want in zip(outs, m.outputs):
+        if not hasattr(out, "shape") or tuple(out.shape) != tuple(want.shape):
+            return (f"the replacement gives {getattr(out, 'shape', type(out).__name__)}, "
+                    f"the match {tuple(want.shape)}")
     return None
 
 
+def _schedule(plan: Plan, v: M.Verified, args) -> tuple:
+    """(node before which to evaluate the replacement, None) or (.., reason). The anchor,
+    unless an output other than the main one is used outside the match earlier in
+    program order (flax's running-average update of BatchNorm's batch statistics
+    comes before the normalization): then before that use, if every input of the match
+    is available there."""
+    inside = set(v.nodes)
+    at = v.nodes[-1]
+    for o in v.outputs[1:]:
+        for u in o.users:
+            if u not in inside:
+                other = plan.match_of.get(u)
+                t = other.at if other is not None else u
+                if t.index < at.index:
+                    at = t
+    for a in args:
+        if isinstance(a, Value) and a.producer is not None:
+            other = plan.match_of.get(a.producer)
+            ready = other.at.index <= at.index if other is not None else a.producer.index < at.index
+            if not ready:
+                return at, (f"an input of the match is computed after {at.name} at "
+                            f"{at.source.short_location} uses one of its outputs")
+    return at, None
+
+
+def _broadcast_input(pattern, cand: M.Candidate) -> bool:
+    """Whether an input the pattern wants whole (`no_broadcast`: a residual) is a
+    broadcast: a literal, an array of another shape than the main output (a bias
+    vector), or a broadcast_in_dim's result. Then the candidate is not one."""
+    shape = cand.anchor.outputs[cand.template.output.index].aval.shape
+    for i in pattern.no_broadcast:
+        a = cand.args.get(i)
+        if a is None:
+            continue
+        if not isinstance(a, Value) or tuple(a.aval.shape) != tuple(shape) or (
+                a.producer is not None and a.producer.name == "broadcast_in_dim"):
+            return True
+    return False
+
+
 @functools.lru_cache(maxsize=512)
-def _retrace(formulation, avals: tuple, kwargs: tuple):
+def _retrace(formulation, avals: tuple, kwargs: tuple, n_outputs: int):
     """The formulation traced at exact inputs: one trace serves every equal match
     (a model's 24 identical LayerNorms)."""
-    ref, arg_of_input, _ = M.trace_reference(formulation.reference, list(avals), dict(kwargs))
+    ref, arg_of_input, _ = M.trace_reference(formulation.reference, list(avals), dict(kwargs),
+                                             n_outputs)
     return ref, arg_of_input
 
 
@@ -160,10 +215,15 @@ def _verify(pattern, cand: M.Candidate, graph: Graph):
         return 0, why
     out_aval = cand.anchor.outputs[t.output.index].aval
     best = None
+    # the params of the matched equations the formulation takes (a conv's strides...)
+    node_kw = {tn.name: tuple(sorted(gn.params.items())) for tn, gn in cand.nodes.items()
+               if tn.name in t.formulation.node_params}
     for static in t.formulation.static(avals, out_aval):
+        static = {**node_kw, **static}
         try:
             ref, arg_of_input = _retrace(t.formulation, tuple(avals),
-                                         tuple(sorted({**cand.params, **static}.items(), key=str)))
+                                         tuple(sorted({**cand.params, **static}.items(), key=str)),
+                                         len(pattern.outputs))
         except Exception as e:  # the reference refuses these shapes/dtypes
             best = best or M.Mismatch(f"the reference does not trace at these inputs: "
                                       f"{type(e).__name__}: {e}", -1)
@@ -186,15 +246,16 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
     considered: set = set()  # nodes of verified candidates: their bodies are not searched
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
     failures: list = []  # (record, anchor, stage, nodes) of near misses
+    verified_by: dict = {}  # node -> names of the patterns with a verified match over it
     for pattern in patterns:
-        by_anchor = pattern.templates_by_anchor()
+        by_anchor = P.templates_by_anchor(pattern)
         for node in reversed(graph.nodes):
             if node.name not in by_anchor or node in claimed:
                 continue
             failure = None
             for t in by_anchor[node.name]:
                 cand = M.structural(t, node)
-                if cand is None:
+                if cand is None or _broadcast_input(pattern, cand) or M.input_from_match(cand):
                     continue
                 if claimed & set(cand.nodes.values()):
                     continue
@@ -207,6 +268,8 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     continue
                 v, avals = result
                 considered.update(v.nodes)
+                for n in v.nodes:
+                    verified_by.setdefault(n, set()).add(pattern.name)
                 if claimed & set(v.nodes):
                     continue
                 reason = M.escaping_intermediate(v, graph)
@@ -219,19 +282,21 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     else:
                         params.update(facts)
                 m = Match(pattern, [cand.args.get(i) for i in range(len(avals))], params,
-                          t.output.index, np.dtype(v.out_aval.dtype), v.nodes, t.formulation)
+                          v.outputs, [np.dtype(o.aval.dtype) for o in v.outputs], v.nodes,
+                          t.formulation)
+                if reason is None:
+                    m.at, reason = _schedule(plan, v, m.args)
                 if reason is None and frozen:
                     reason = frozen
                 if reason is None:
-                    reason = _replacement_refuses(m, avals, v.out_aval)
+                    reason = _replacement_refuses(m, avals)
                 if reason is None and policy == "auto":
                     reason = (pattern.decide(avals, params) if pattern.decide is not None
                               else _not_faster(m, avals))
                 shown = {k: v for k, v in params.items() if k in cand.params or k == "is_causal"}
                 rec = _record(pattern, t, node, shown, v.nodes, reason, context)
                 if reason is None:
-                    plan.anchors[node] = m
-                    plan.skip.update(n for n in v.nodes if n is not node)
+                    plan.add(m)
                     claimed.update(v.nodes)
                     failure = None
                     records.append(rec)
@@ -247,12 +312,15 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     failures.append((rec, node, stage, nodes))
     # Near misses superseded by a replacement at the same anchor under the same name
     # (attention has several Pattern objects), or by a near miss of that name that
-    # covers more of the graph (it got further).
-    replaced_at = {(plan.anchors[n].pattern.name, n) for n in plan.anchors}
-    for rec, node, _, nodes in failures:
+    # covers more of the graph (it got further); and a near miss that failed before
+    # verification where another pattern verifiably matches the anchor: that pattern's
+    # computation (a LayerNorm + relu is no BatchNorm + relu).
+    replaced_at = {(m.pattern.name, m.nodes[-1]) for queue in plan.at.values() for m in queue}
+    for rec, node, stage, nodes in failures:
         covered = any(o is not rec and o.pattern == rec.pattern and nodes < o_nodes
                       for o, _, _, o_nodes in failures)
-        if covered or (rec.pattern, node) in replaced_at:
+        other = stage < 3 and verified_by.get(node, set()) - {rec.pattern}
+        if covered or other or (rec.pattern, node) in replaced_at:
             records.remove(rec)
     # Bodies: rewritten in place where the primitive can be re-issued, reported otherwise.
     for node in graph.nodes:
@@ -277,8 +345,11 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
 
 def _later(failure, new):
     """The failure that got furthest (a verified match rejected for its context says
-    more than a structural near miss of another formulation)."""
-    return new if failure is None or new[0] > failure[0] else failure
+    more than a structural near miss of another formulation), then the larger one (a
+    rank-1 template bound to broadcast parameters says less)."""
+    if failure is None or (new[0], len(new[3])) > (failure[0], len(failure[3])):
+        return new
+    return failure
 
 
 def _is_jax_ops_call(node: Node) -> bool:
@@ -325,13 +396,13 @@ def evaluate(graph: Graph, plan: Plan, args) -> list:
     for v, a in zip(graph.inputs, args):
         env[v] = a
     for node in graph.nodes:
-        if node in plan.skip:
-            continue
-        m = plan.anchors.get(node)
-        if m is not None:
+        for m in plan.at.get(node, ()):
             vals = [None if a is None else _read(env, a) for a in m.args]
-            with _context(node):
-                env[node.outputs[m.out_index]] = m.replace(vals)
+            with _context(m.nodes[-1]):
+                outs = m.replace(vals)
+            for o, val in zip(m.outputs, outs):
+                env[o] = val
+        if node in plan.skip:
             continue
         vals = [_read(env, a) for a in node.inputs]
         subplans = plan.bodies.get(node)

@@ -42,6 +42,8 @@ from jax_ops.core.validate import check_broadcastable, check_epsilon, check_vect
 from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_policy, unpack_bits
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports)
+from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, flax_available,
+                                  out_dtypes, sds, wider_x)
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import batch_norm as pallas_bn
 
@@ -366,7 +368,8 @@ BN_RELU = Op(
                            lambda q: pallas_bn.supports(max(q.rows or 1, 1), q.cols or 1)),
                        configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
     },
-    bench=lambda: batch_norm_specs())  # the benchmark specs: end of this module
+    bench=lambda: batch_norm_specs(),  # the benchmark specs and
+    patterns=lambda: batch_norm_patterns())  # the rewrite patterns: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -505,3 +508,145 @@ def batch_norm_specs() -> dict[str, BenchSpec]:
                          title=" training, (rows, C) = (N*H*W, C)")
 
     return {"batch_norm_relu": spec(add=False), "batch_norm_add_relu": spec(add=True)}
+
+
+# ------------------------------------------------ batch_norm family: rewrite patterns (jax_ops.fx) ---
+# flax.linen.BatchNorm over the last axis (statistics over all others) followed by
+# jax.nn.relu, or by a residual add and jax.nn.relu. Training (use_running_average=False)
+# normalizes with the batch statistics, and flax's running averages read them: the
+# batch mean and the biased batch variance are outputs of the pattern (used outside the
+# match), which the op returns as it normalizes with them (float32; flax computes them
+# in float32 too, with use_fast_variance E[x^2] - E[x]^2 clipped at 0 where the op
+# takes the two-pass variance: equal up to rounding). Inference normalizes with the
+# given running statistics. jnp.maximum(., 0) is not matched (its derivative at 0 is
+# 0.5; the op's, like jax.nn.relu's, 0).
+
+def flax_linen_batch_norm(x, scale, bias, mean, var, *, epsilon, training, fast, dtype):
+    """flax.linen.BatchNorm(axis=-1) (flax/linen/normalization.py: BatchNorm.__call__,
+    _compute_stats, _normalize) with its parameters and running statistics passed in;
+    training: also the batch statistics."""
+    from flax.linen import dtypes as flax_dtypes
+    from flax.linen import normalization as flax_norm
+    reduction_axes = tuple(range(x.ndim - 1))
+    if training:
+        mean, var = flax_norm._compute_stats(x, reduction_axes, dtype=dtype,
+                                             use_fast_variance=fast)
+    stats = (mean, var)
+    feature_shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
+    mean = jnp.expand_dims(mean, reduction_axes)
+    var = jnp.expand_dims(var, reduction_axes)
+    y = x - mean
+    mul = jax.lax.rsqrt(var + epsilon)
+    args = [x]
+    if scale is not None:
+        scale = scale.reshape(feature_shape)
+        mul *= scale
+        args.append(scale)
+    y *= mul
+    if bias is not None:
+        bias = bias.reshape(feature_shape)
+        y += bias
+        args.append(bias)
+    dtype = flax_dtypes.canonicalize_dtype(*args, dtype=dtype)
+    return jnp.asarray(y, dtype), stats
+
+
+def _bn_relu_reference(add: bool, training: bool):
+    def reference(x, *args, epsilon, fast=True, dtype=None):
+        z, args = (args[0], args[1:]) if add else (None, args)
+        scale, bias, *stats = args
+        mean, var = stats if stats else (None, None)
+        y, stats = flax_linen_batch_norm(x, scale, bias, mean, var, epsilon=epsilon,
+                                          training=training, fast=fast, dtype=dtype)
+        y = jax.nn.relu(y + z) if add else jax.nn.relu(y)
+        return (y, *stats) if training else y
+    reference.__name__ = f"flax_linen_batch_norm{'_add' if add else ''}_relu"
+    return reference
+
+
+def _bn_static(training: bool):
+    def static(avals, out_aval):
+        return [{"dtype": d, **({"fast": fast} if training else {})}
+                for fast in ((True, False) if training else (None,))
+                for d in out_dtypes(avals, out_aval)]
+    return static
+
+
+def _bn_examples(add: bool, training: bool):
+    """x f32/bf16 at rank 2 and 4 (NHWC), parameters float32 or x's dtype (present or
+    absent), float32 running statistics at inference, z of x's dtype or float32."""
+    out = []
+    for shape in ((4, 8), (2, 2, 2, 8)):
+        for xd, pd in ((_F32, _F32), (BF16, BF16), (BF16, _F32)):
+            for has_scale, has_bias in ((True, True), (False, True), (True, False), (False, False)):
+                zs = ((sds(shape, xd),) + ((sds(shape, _F32),) if xd != _F32 else ())) if add else (None,)
+                for z in zs:
+                    args = (sds(shape, xd),) + ((z,) if add else ())
+                    args += (sds((8,), pd) if has_scale else None, sds((8,), pd) if has_bias else None)
+                    if not training:
+                        args += (sds((8,), _F32), sds((8,), _F32))
+                    out.append(args)
+    return out
+
+
+def _bn_accepts(add: bool):
+    def accepts(avals):
+        x = avals[0]
+        if x.dtype not in OP_DTYPES:
+            return f"x is {x.dtype}; the jax_ops op takes float32, bfloat16, float16"
+        if len(x.shape) < 2:
+            return "x has rank < 2 (BatchNorm over the last axis needs rows)"
+        if math.prod(x.shape[:-1]) == 0:
+            return "x has no rows"
+        c = x.shape[-1]
+        rest = avals[2:] if add else avals[1:]
+        for p in rest:
+            if p is not None and (tuple(p.shape) != (c,) or p.dtype not in OP_DTYPES):
+                return f"a parameter or statistic is {p.dtype}{list(p.shape)}, not ({c},) float"
+        return None
+    return accepts
+
+
+def _bn_params(x, scale, bias):
+    """scale, bias in float32 or x's dtype, one dtype (what the op takes)."""
+    ps = [p for p in (scale, bias) if p is not None]
+    if any(p.dtype not in (_F32, x.dtype) for p in ps) or len({p.dtype for p in ps}) > 1:
+        scale = None if scale is None else scale.astype(jnp.float32)
+        bias = None if bias is None else bias.astype(jnp.float32)
+    return scale, bias
+
+
+def _bn_relu_replacement(add: bool, training: bool):
+    def replacement(x, *args, epsilon, out_dtype, **_):
+        z, args = (args[0], args[1:]) if add else (None, args)
+        scale, bias, *stats = args
+        x = wider_x(x, out_dtype)  # flax computes from x widened to its result's dtype
+        scale, bias = _bn_params(x, scale, bias)
+        kw = {"epsilon": epsilon, "training": training}
+        if not training:
+            kw["mean"], kw["var"] = stats
+        if add:
+            return batch_norm_add_relu(x, z.astype(x.dtype), scale, bias, **kw)
+        return batch_norm_relu(x, scale, bias, **kw)
+    return replacement
+
+
+def batch_norm_patterns() -> list[Pattern]:
+    """batch_norm_add_relu, batch_norm_relu; training (outputs y and the batch mean and
+    variance) and inference. They contain relu/add_relu patterns: priority 1."""
+    if not flax_available():
+        return []
+    out = []
+    for add in (True, False):
+        name = "batch_norm_add_relu" if add else "batch_norm_relu"
+        for training in (True, False):
+            label = (f"flax.linen.BatchNorm({'training' if training else 'inference'}), "
+                     f"jax.nn.relu{'(y + z)' if add else ''}")
+            out.append(Pattern(
+                name, [Formulation(_bn_relu_reference(add, training), _bn_static(training), label)],
+                _bn_relu_replacement(add, training), _bn_examples(add, training),
+                params={"epsilon": BN_EPSILON}, accepts=_bn_accepts(add),
+                outputs=("y", "mean", "var") if training else ("y",),
+                no_broadcast=(1,) if add else (), priority=1,
+                note="BatchNorm over all but the last axis, then relu"))
+    return out

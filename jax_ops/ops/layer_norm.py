@@ -31,6 +31,8 @@ from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.validate import check_epsilon, check_vectors, check_x
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
+from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, accepts_x,
+                                  flax_available, out_dtypes, sds, wider_x)
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import layer_norm as pallas_norm
 
@@ -396,7 +398,8 @@ NORM = Op(
                        supports=pallas_supports(lambda q: pallas_norm.supports(q.cols)),
                        configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
     },
-    bench=lambda: layer_norm_specs())  # the benchmark specs: end of this module
+    bench=lambda: layer_norm_specs(),  # the benchmark specs and
+    patterns=lambda: norm_patterns())  # the rewrite patterns: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -573,3 +576,261 @@ def layer_norm_specs() -> dict[str, BenchSpec]:
 
     return {"layer_norm": spec("layer_norm"), "rms_norm": spec("rms_norm"),
             "add_layer_norm": add_spec("add_layer_norm"), "add_rms_norm": add_spec("add_rms_norm")}
+
+
+# ------------------------------------------------ layer_norm family: rewrite patterns (jax_ops.fx) ---
+# The computations jax_ops.optimize replaces by these ops (core/pattern.py): LayerNorm
+# and RMSNorm over the last axis as flax (linen, nnx), jax.nn.standardize and hand-written
+# jnp compute them. Each formulation's variable names appear in rewrites()'s reasons
+# ("intermediate mean used elsewhere"): keep one assignment per line.
+
+def _norm_examples(with_bias: bool):
+    """x f32/bf16 at rank 1 and 2 (ranks >= 2 share a structure), parameters in
+    float32 or x's dtype, each optional parameter present or absent."""
+    out = []
+    for shape in ((8,), (4, 8)):
+        for xd, pd in ((_F32, _F32), (BF16, BF16), (BF16, _F32), (_F32, BF16)):
+            for has_scale in (True, False):
+                for has_bias in ((True, False) if with_bias else (False,)):
+                    args = (sds(shape, xd), sds((8,), pd) if has_scale else None)
+                    if with_bias:
+                        args += (sds((8,), pd) if has_bias else None,)
+                    if not has_scale and (not with_bias or not has_bias) and pd != xd:
+                        continue  # no parameters: the parameter dtype doesn't matter
+                    out.append(args)
+    return out
+
+
+def _norm_accepts(avals):
+    why = accepts_x(avals)
+    if why:
+        return why
+    cols = avals[0].shape[-1]
+    for p in avals[1:]:
+        if p is None:
+            continue
+        if p.dtype not in OP_DTYPES:
+            return f"a parameter is {p.dtype}"
+        if tuple(p.shape) != (cols,):
+            return f"a parameter has shape {tuple(p.shape)}, not ({cols},)"
+    return None
+
+
+def _flax_linen_norm(x, scale, bias, *, epsilon, fast, dtype, rms):
+    """flax.linen LayerNorm/RMSNorm over the last axis (flax/linen/normalization.py
+    _compute_stats + _normalize, with the parameters passed in)."""
+    from flax.linen import dtypes as flax_dtypes
+    from flax.linen import normalization as flax_norm
+    mean, var = flax_norm._compute_stats(x, -1, dtype, use_mean=not rms, use_fast_variance=fast)
+    axis = (x.ndim - 1,)
+    feature_shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
+    mean = jnp.expand_dims(mean, axis)
+    var = jnp.expand_dims(var, axis)
+    centered = x - mean
+    mul = jax.lax.rsqrt(var + epsilon)
+    args = [x]
+    if scale is not None:
+        scale = scale.reshape(feature_shape)
+        mul *= scale
+        args.append(scale)
+    centered *= mul
+    if bias is not None:
+        bias = bias.reshape(feature_shape)
+        centered += bias
+        args.append(bias)
+    dtype = flax_dtypes.canonicalize_dtype(*args, dtype=dtype)
+    return jnp.asarray(centered, dtype)
+
+
+def _flax_nnx_norm(x, scale, bias, *, epsilon, fast, dtype, rms):
+    """flax.nnx LayerNorm/RMSNorm over the last axis (flax/nnx/nn/normalization.py)."""
+    from flax.nnx.nn import dtypes as nnx_dtypes
+    from flax.nnx.nn import normalization as nnx_norm
+    x, scale, bias = nnx_dtypes.promote_dtype((x, scale, bias), dtype=dtype)
+    mean, var = nnx_norm._compute_stats(x, -1, dtype, use_mean=not rms, use_fast_variance=fast)
+    return nnx_norm._normalize(x, mean, var, scale, bias, -1, -1, dtype, epsilon)
+
+
+def _flax_static(rms):
+    def static(avals, out_aval):
+        return [{"fast": fast, "dtype": d, "rms": rms}
+                for fast in ((True, False) if not rms else (True,))
+                for d in out_dtypes(avals, out_aval)]
+    return static
+
+
+def _standardize(x, scale, bias, *, epsilon, algorithm):
+    """jax.nn.standardize over the last axis, then optional scale and bias."""
+    y = jax.nn.standardize(x, -1, epsilon=epsilon, algorithm=algorithm)
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def _standardize_static(avals, out_aval):
+    return [{"algorithm": a} for a in ("fast", "stable")]
+
+
+def _handwritten_layer_norm(x, scale, bias, *, epsilon, upcast, var_form, denominator):
+    """The common hand-written LayerNorm: mean, var = mean((x - mean)^2) (or jnp.var),
+    (x - mean) * rsqrt(var + eps) (or / sqrt(var + eps)) * scale + bias, optionally
+    computed on x.astype(float32) and cast back."""
+    xf = x.astype(jnp.float32) if upcast else x
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    if var_form == "var":
+        var = jnp.var(xf, axis=-1, keepdims=True)
+    else:
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    if denominator == "rsqrt":
+        y = (xf - mean) * jax.lax.rsqrt(var + epsilon)
+    else:
+        y = (xf - mean) / jnp.sqrt(var + epsilon)
+    if scale is not None:
+        y = y * scale
+    if bias is not None:
+        y = y + bias
+    return y.astype(x.dtype) if upcast else y
+
+
+def _handwritten_ln_static(avals, out_aval):
+    return [{"upcast": u, "var_form": v, "denominator": d} for u in (False, True)
+            for v in ("mean_sq", "var") for d in ("rsqrt", "sqrt_div")]
+
+
+def _handwritten_rms_norm(x, scale, *, epsilon, upcast, denominator):
+    """x * rsqrt(mean(x^2) + eps) * scale (or / sqrt(...)), optionally in float32."""
+    xf = x.astype(jnp.float32) if upcast else x
+    ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    if denominator == "rsqrt":
+        y = xf * jax.lax.rsqrt(ms + epsilon)
+    else:
+        y = xf / jnp.sqrt(ms + epsilon)
+    if scale is not None:
+        y = y * scale
+    return y.astype(x.dtype) if upcast else y
+
+
+def _handwritten_rms_static(avals, out_aval):
+    return [{"upcast": u, "denominator": d} for u in (False, True) for d in ("rsqrt", "sqrt_div")]
+
+
+def _flax_rms(fn):
+    def rms(x, scale, *, epsilon, fast, dtype, rms):
+        return fn(x, scale, None, epsilon=epsilon, fast=fast, dtype=dtype, rms=rms)
+    rms.__name__ = fn.__name__ + "_rms"
+    return rms
+
+
+def _norm_params(x, scale, bias):
+    """Parameters in float32 or x's dtype (what the ops take)."""
+    ps = [p for p in (scale, bias) if p is not None]
+    if any(p.dtype not in (_F32, x.dtype) for p in ps) or len({p.dtype for p in ps}) > 1:
+        scale = None if scale is None else scale.astype(jnp.float32)
+        bias = None if bias is None else bias.astype(jnp.float32)
+    return scale, bias
+
+
+def layer_norm_replacement(x, scale=None, bias=None, *, epsilon, out_dtype, **_):
+    x = wider_x(x, out_dtype)
+    scale, bias = _norm_params(x, scale, bias)
+    return layer_norm(x, scale, bias, epsilon=epsilon).astype(out_dtype)
+
+
+def rms_norm_replacement(x, scale=None, *, epsilon, out_dtype, **_):
+    x = wider_x(x, out_dtype)
+    scale, _ = _norm_params(x, scale, None)
+    return rms_norm(x, scale, epsilon=epsilon).astype(out_dtype)
+
+
+def _layer_norm_formulations() -> list[Formulation]:
+    forms = [Formulation(_handwritten_layer_norm, _handwritten_ln_static, "jnp"),
+             Formulation(_standardize, _standardize_static, "jax.nn.standardize")]
+    if flax_available():
+        forms += [Formulation(_flax_linen_norm, _flax_static(False), "flax.linen.LayerNorm"),
+                  Formulation(_flax_nnx_norm, _flax_static(False), "flax.nnx.LayerNorm")]
+    return forms
+
+
+def _rms_norm_formulations() -> list[Formulation]:
+    forms = [Formulation(_handwritten_rms_norm, _handwritten_rms_static, "jnp")]
+    if flax_available():
+        forms += [Formulation(_flax_rms(_flax_linen_norm), _flax_static(True), "flax.linen.RMSNorm"),
+                  Formulation(_flax_rms(_flax_nnx_norm), _flax_static(True), "flax.nnx.RMSNorm")]
+    return forms
+
+
+# add+norm: h = x + r, then any of the norm formulations of h; h is an output (the
+# next residual of a pre-norm transformer is used later), rounded to x's dtype as the
+# op's h is. y must not be wider than x: the fused op gives y in x's dtype (flax with
+# float32 parameters and dtype=None: the plain norm pattern then takes the norm alone).
+
+def _add_examples(examples):
+    return [(a[0], a[0], *a[1:]) for a in examples]
+
+
+def _add_then(norm, label):
+    def add_norm(x, r, *params, **kw):
+        h = x + r
+        return norm(h, *params, **kw), h
+    add_norm.__name__ = f"add_{norm.__name__}"
+    return Formulation(add_norm, label=f"x + r, then {label}")
+
+
+def _add_formulations(forms: list[Formulation]) -> list[Formulation]:
+    out = []
+    for f in forms:
+        g = _add_then(f.reference, f.label)
+        g.static = f.static
+        out.append(g)
+    return out
+
+
+def _add_norm_accepts(avals):
+    x, r = avals[:2]
+    if tuple(r.shape) != tuple(x.shape) or r.dtype != x.dtype:
+        return (f"the residual is {r.dtype}{list(r.shape)}, not x's {x.dtype}{list(x.shape)} "
+                "(add_layer_norm's h takes x's shape and dtype)")
+    return _norm_accepts([x, *avals[2:]])
+
+
+def _check_not_wider(op, x, out_dtype):
+    if jnp.finfo(out_dtype).bits > jnp.finfo(x.dtype).bits:
+        raise ValueError(f"jax_ops.{op} gives y in x's dtype {_fmt_dtype(x.dtype)}; the matched "
+                         f"norm's result is {_fmt_dtype(out_dtype)}")
+
+
+def add_layer_norm_replacement(x, r, scale=None, bias=None, *, epsilon, out_dtype, **_):
+    _check_not_wider("add_layer_norm", x, out_dtype)
+    scale, bias = _norm_params(x, scale, bias)
+    y, h = add_layer_norm(x, r, scale, bias, epsilon=epsilon)
+    return y.astype(out_dtype), h
+
+
+def add_rms_norm_replacement(x, r, scale=None, *, epsilon, out_dtype, **_):
+    _check_not_wider("add_rms_norm", x, out_dtype)
+    scale, _ = _norm_params(x, scale, None)
+    y, h = add_rms_norm(x, r, scale, epsilon=epsilon)
+    return y.astype(out_dtype), h
+
+
+def norm_patterns() -> list[Pattern]:
+    """add_layer_norm, add_rms_norm, then layer_norm, rms_norm (which they contain);
+    docs/fx.md."""
+    return [Pattern("add_layer_norm", _add_formulations(_layer_norm_formulations()),
+                    add_layer_norm_replacement, _add_examples(_norm_examples(True)),
+                    params={"epsilon": 1e-5}, accepts=_add_norm_accepts, outputs=("y", "h"),
+                    no_broadcast=(0, 1),
+                    note="residual add + LayerNorm over the last axis; h used later"),
+            Pattern("add_rms_norm", _add_formulations(_rms_norm_formulations()),
+                    add_rms_norm_replacement, _add_examples(_norm_examples(False)),
+                    params={"epsilon": 1e-6}, accepts=_add_norm_accepts, outputs=("y", "h"),
+                    no_broadcast=(0, 1),
+                    note="residual add + RMSNorm over the last axis; h used later"),
+            Pattern("layer_norm", _layer_norm_formulations(), layer_norm_replacement,
+                    _norm_examples(True), params={"epsilon": 1e-5}, accepts=_norm_accepts,
+                    note="LayerNorm over the last axis, statistics in float32"),
+            Pattern("rms_norm", _rms_norm_formulations(), rms_norm_replacement,
+                    _norm_examples(False), params={"epsilon": 1e-6}, accepts=_norm_accepts,
+                    note="RMSNorm over the last axis, statistics in float32")]

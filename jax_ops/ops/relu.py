@@ -24,6 +24,7 @@ from jax_ops.core.validate import check_broadcastable
 from jax_ops.core.bitmask import MASK_DTYPE, WORD, mask_shape, pack_bits, sharding_policy, unpack_bits
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
+from jax_ops.core.pattern import BF16, Formulation, Pattern, accepts_x, sds
 from jax_ops.core.validate import ACT_DTYPES
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import relu as pallas_relu
@@ -187,7 +188,8 @@ RELU = Op(
                        supports=pallas_supports(_pallas_limit), configs=_pallas_configs,
                        description="Pallas kernels (Triton back end)"),
     },
-    bench=lambda: relu_specs())  # the benchmark specs: end of this module
+    bench=lambda: relu_specs(),  # the benchmark specs and
+    patterns=lambda: relu_patterns())  # the rewrite patterns: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -259,3 +261,94 @@ def relu_specs() -> dict[str, BenchSpec]:
                          title=" (y + 1-bit mask)")
 
     return {"relu": spec(add=False), "add_relu": spec(add=True)}
+
+
+# ---------------------------------------------------- relu family: rewrite patterns (jax_ops.fx) ---
+# jax.nn.relu's derivative at 0 is 0, as relu's; jnp.maximum(x, 0)'s is 0.5 (lax.max
+# splits ties), so its replacement keeps our forward kernel and restates that
+# derivative.
+
+def _relu_ref(x):
+    return jax.nn.relu(x)
+
+
+def _maximum_ref(x):
+    return jnp.maximum(x, 0)
+
+
+def _add_relu_ref(x, z):
+    return jax.nn.relu(x + z)
+
+
+def _add_maximum_ref(x, z):
+    return jnp.maximum(x + z, 0)
+
+
+def _add_relu_accepts(avals):
+    x, z = avals
+    why = accepts_x(avals)
+    if why:
+        return why
+    if x.dtype != z.dtype:
+        return "x and z differ in dtype"
+    try:
+        fits = np.broadcast_shapes(tuple(z.shape), tuple(x.shape)) == tuple(x.shape)
+    except ValueError:
+        fits = False
+    if not fits or len(z.shape) > len(x.shape):
+        return f"z of shape {tuple(z.shape)} does not broadcast to x's {tuple(x.shape)}"
+    return None
+
+
+def relu_replacement(x):
+    return relu(x)
+
+
+def add_relu_replacement(x, z):
+    return add_relu(x, z)
+
+
+def _max_tie_slope(pre):
+    """d max(pre, 0) / d pre as lax.max differentiates it: 1 above, 0.5 at a tie
+    (either zero), 0 below and at NaN."""
+    return jnp.where(pre > 0, 1.0, jnp.where(pre == 0, 0.5, 0.0)).astype(pre.dtype)
+
+
+@jax.custom_jvp
+def maximum_relu_replacement(x):
+    return relu_replacement(x)
+
+
+@maximum_relu_replacement.defjvp
+def _maximum_relu_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    return maximum_relu_replacement(x), dx * _max_tie_slope(x)
+
+
+@jax.custom_jvp
+def maximum_add_relu_replacement(x, z):
+    return add_relu_replacement(x, z)
+
+
+@maximum_add_relu_replacement.defjvp
+def _maximum_add_relu_jvp(primals, tangents):
+    (x, z), (dx, dz) = primals, tangents
+    slope = _max_tie_slope(x + z)  # the tie on the sum rounded as the original rounds it
+    return maximum_add_relu_replacement(x, z), (dx + dz) * slope
+
+
+def _relu_examples(n):
+    return [tuple(sds(s, d) for _ in range(n)) for s in ((8,), (4, 8))
+            for d in (jnp.dtype(jnp.float32), BF16)]
+
+
+def relu_patterns() -> list[Pattern]:
+    """add_relu (relu of a sum, z broadcastable), then relu (which it contains)."""
+    return [Pattern("add_relu", [Formulation(_add_relu_ref, label="jax.nn.relu(x + z)"),
+                                 Formulation(_add_maximum_ref, label="jnp.maximum(x + z, 0)",
+                                             replacement=maximum_add_relu_replacement)],
+                    add_relu_replacement, _relu_examples(2), accepts=_add_relu_accepts),
+            Pattern("relu", [Formulation(_relu_ref, label="jax.nn.relu"),
+                             Formulation(_maximum_ref, label="jnp.maximum(x, 0)",
+                                         replacement=maximum_relu_replacement)],
+                    relu_replacement, _relu_examples(1), accepts=accepts_x)]

@@ -37,6 +37,7 @@ from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec, view_len
 from jax_ops.core.op import (Impl, Op, Stage, ffi_supports, match_vma,
                              pallas_supports)
+from jax_ops.core.pattern import BF16, Formulation, Pattern, accepts_x, sds
 from jax_ops.core.validate import ACT_DTYPES
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import softmax as pallas_softmax
@@ -447,7 +448,8 @@ SOFTMAX = Op(
                        configs=_pallas_configs, automatic=_last_axis_only,
                        description="Pallas kernels (Triton back end)"),
     },
-    bench=lambda: softmax_specs())  # the benchmark specs: end of this module
+    bench=lambda: softmax_specs(),  # the benchmark specs and
+    patterns=lambda: softmax_patterns())  # the rewrite patterns: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -632,3 +634,52 @@ def softmax_specs() -> dict[str, BenchSpec]:
 
     return {"softmax": spec(), "log_softmax": spec(log=True),
             "softmax_mask": spec(masked=True), "softmax_causal": spec(causal=True)}
+
+
+# ------------------------------------------------- softmax family: rewrite patterns (jax_ops.fx) ---
+# jax.nn.softmax/log_softmax differ from these ops only where a row is all -inf
+# (jax.nn: NaN, jax_ops: 0 / -inf) and in rounding (jax_ops computes in float32).
+# where= is not matched: our mask differs on fully masked rows.
+
+def _softmax_ref(x, *, axis):
+    return jax.nn.softmax(x, axis=axis)
+
+
+def _scaled_softmax_ref(x, *, scale, axis):
+    return jax.nn.softmax(x * scale, axis=axis)
+
+
+def _log_softmax_ref(x, *, axis):
+    return jax.nn.log_softmax(x, axis=axis)
+
+
+def _scaled_log_softmax_ref(x, *, scale, axis):
+    return jax.nn.log_softmax(x * scale, axis=axis)
+
+
+def _axis_static(avals, out_aval):
+    """Template: the last axis. Verification: every axis (the re-trace decides)."""
+    if out_aval is None:
+        return [{"axis": -1}]
+    return [{"axis": a} for a in range(-1, -len(avals[0].shape) - 1, -1)]
+
+
+def _softmax_pattern(log: bool, scaled: bool) -> Pattern:
+    op = log_softmax if log else softmax
+    ref = {(False, False): _softmax_ref, (False, True): _scaled_softmax_ref,
+           (True, False): _log_softmax_ref, (True, True): _scaled_log_softmax_ref}[log, scaled]
+    name = ("log_softmax" if log else "softmax") + ("_scaled" if scaled else "")
+
+    def replacement(x, *, axis, scale=None, **_):
+        return op(x, axis=axis, scale=scale)
+    examples = [(sds(s, d),) for s in ((8,), (4, 8)) for d in (_F32, BF16)]
+    return Pattern(name, [Formulation(ref, _axis_static, f"jax.nn.{'log_' if log else ''}softmax")],
+                   replacement, examples, params={"scale": 1.0} if scaled else {},
+                   accepts=accepts_x)
+
+
+def softmax_patterns() -> list[Pattern]:
+    """log_softmax, softmax, each after its scaled form (`*_scaled`: of x * s), which
+    contains it."""
+    return [_softmax_pattern(True, True), _softmax_pattern(True, False),
+            _softmax_pattern(False, True), _softmax_pattern(False, False)]
