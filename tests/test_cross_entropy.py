@@ -785,3 +785,74 @@ def test_linear_cross_entropy_bad_input(name, kw, exc, match):
     h, w, labels = args.pop("h", jnp.ones((2, 4))), args.pop("w", jnp.ones((4, 7))), args.pop("labels", L)
     with pytest.raises(exc, match=match):
         jax_ops.linear_cross_entropy(h, w, labels, **args)
+
+
+# ------------------------------------------- rewrite patterns (jax_ops.optimize) ---
+
+def _ce_records(fn, *args):
+    from jax_ops import fx
+    return [r for r in fx.rewrites(fn, *args, policy="always") if r.pattern == "cross_entropy"]
+
+
+def _lm_batch(dtype=jnp.bfloat16, b=2, t=9, v=37):
+    logits = jax.random.normal(jax.random.key(5), (b, t, v), jnp.float32).astype(dtype)
+    ids = jax.random.randint(jax.random.key(6), (b, t), 0, v)
+    return logits, ids
+
+
+def _optimized_agrees(fn, logits, ids):
+    fast = jax_ops.optimize(fn, policy="always")
+    grad_names = {e.primitive.name for e in jax.make_jaxpr(
+        jax.grad(lambda l: jnp.sum(fast(l, ids))))(logits).eqns}
+    assert {"jax_ops_ce_fwd", "jax_ops_ce_bwd"} <= grad_names, grad_names
+    np.testing.assert_allclose(jax.jit(fast)(logits, ids), fn(logits, ids), rtol=1e-5, atol=1e-5)
+    g1 = jax.grad(lambda l: jnp.sum(fast(l, ids)))(logits).astype(jnp.float32)
+    g2 = jax.grad(lambda l: jnp.sum(fn(l, ids)))(logits).astype(jnp.float32)
+    np.testing.assert_allclose(g1, g2, rtol=1e-2, atol=1e-2 * float(jnp.abs(g2).max()))
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_pattern_optax_lm_loss_shifted_mean(upcast):
+    import optax
+
+    def loss(logits, ids):
+        x = logits[:, :-1]
+        x = x.astype(jnp.float32) if upcast else x
+        return optax.softmax_cross_entropy_with_integer_labels(x, ids[:, 1:]).mean()
+    recs = _ce_records(loss, *_lm_batch())
+    assert len(recs) == 1 and recs[0].replaced, recs
+    assert recs[0].params == {"shift": True, "mean": True}
+    _optimized_agrees(loss, *_lm_batch())
+
+
+def test_pattern_hand_written_per_example():
+    def loss(logits, ids):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
+    recs = _ce_records(loss, *_lm_batch())
+    assert len(recs) == 1 and recs[0].replaced and recs[0].params == {"shift": False, "mean": False}
+    _optimized_agrees(loss, *_lm_batch())
+
+
+def test_pattern_near_misses():
+    import optax
+    logits, ids = _lm_batch(jnp.float32)
+
+    def shifted_other_end(logits, ids):   # logits[:, 1:]: not the rows [0, n)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, 1:], ids[:, 1:]).mean()
+    recs = _ce_records(shifted_other_end, logits, ids)
+    assert all(r.params.get("shift") is not True for r in recs if r.replaced), recs
+    fast = jax_ops.optimize(shifted_other_end, policy="always")
+    np.testing.assert_allclose(fast(logits, ids), shifted_other_end(logits, ids), rtol=1e-5)
+
+    def normalizer_reused(logits, ids):  # log_softmax also returned: intermediate used twice
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
+        return nll + 0 * logp.sum(-1)
+    recs = _ce_records(normalizer_reused, logits, ids)
+    assert recs and not any(r.replaced for r in recs) and "used elsewhere" in recs[0].reason
+
+    def other_axis(logits, ids):  # log_softmax over the sequence axis
+        logp = jax.nn.log_softmax(logits, axis=1)
+        return -jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
+    assert not any(r.replaced for r in _ce_records(other_axis, logits, ids))

@@ -327,6 +327,8 @@ def _param_equal(a, b) -> bool:
         # them; plain functions must at least share their code.
         ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
         return ca is cb if (ca is not None and cb is not None) else True
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN params (gather's fill_value) are equal when both are NaN
     try:
         eq = a == b
         return bool(eq) if not isinstance(eq, np.ndarray) else bool(eq.all())
@@ -502,10 +504,28 @@ def intermediate_name(ref_node: Node) -> str:
     return f"{ref_node.name} result"
 
 
+_EFFECTFUL = ("debug_callback", "io_callback", "pure_callback", "debug_print")
+
+
+def live_nodes(graph: Graph) -> set:
+    """Equations whose results reach the graph's outputs (or that have effects): a dead
+    use (logsumexp's unused sign) is no use."""
+    live = getattr(graph, "_live_nodes", None)
+    if live is None:
+        live = set()
+        for n in reversed(graph.nodes):
+            if n.subgraphs or n.name in _EFFECTFUL or any(
+                    graph.is_output(o) or any(u in live for u in o.users) for o in n.outputs):
+                live.add(n)
+        graph._live_nodes = live
+    return live
+
+
 def escaping_intermediate(v: Verified, graph: Graph) -> str | None:
     """Reason if a value computed inside the match (other than its outputs) is used
     outside it: replacing the match would then leave that use without its value."""
     inside = set(v.nodes)
+    live = live_nodes(graph)
     anchor = v.nodes[-1]
     outputs = set(v.outputs)
     for n in v.nodes:
@@ -514,7 +534,7 @@ def escaping_intermediate(v: Verified, graph: Graph) -> str | None:
         for o in n.outputs:
             if o in outputs:
                 continue
-            outside = [u for u in o.users if u not in inside]
+            outside = [u for u in o.users if u not in inside and u in live]
             if outside or graph.is_output(o):
                 name = intermediate_name(v.pattern_of[n])
                 where = ("as an output of the function" if not outside else

@@ -105,10 +105,7 @@ def fx_patterns() -> list[Pattern]:
     """Patterns whose replacement is not one of our ops (declared in jax_ops/fx)."""
     from jax_ops.fx import conv_batch_norm
     from jax_ops.fx.attention import attention_patterns
-    attention = attention_patterns()
-    for p in attention:  # it contains softmax_scaled / softmax (ops/softmax.py)
-        p.priority = max(p.priority, 1)
-    return [*attention, *conv_batch_norm.patterns()]
+    return [*attention_patterns(), *conv_batch_norm.patterns()]
 
 
 def builtin_patterns() -> list[Pattern]:

@@ -21,6 +21,9 @@ from jax_ops.core.dispatch import device_kind
 from jax_ops.core.op import default_platform
 
 POLICIES = ("auto", "always")
+#: static settings rewrites() shows with the captured literals (attention's causal mask,
+#: cross-entropy's reduction and sequence shift)
+_REPORTED_STATIC = ("is_causal", "mean", "shift")
 
 #: bodies optimize() rewrites in place (the node is re-issued through the public API)
 REWRITABLE_BODIES = ("checkpoint", "remat", "remat2", "scan", "cond", "while")
@@ -293,7 +296,8 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 if reason is None and policy == "auto":
                     reason = (pattern.decide(avals, params) if pattern.decide is not None
                               else _not_faster(m, avals))
-                shown = {k: v for k, v in params.items() if k in cand.params or k == "is_causal"}
+                shown = {k: v for k, v in params.items()
+                         if k in cand.params or k in _REPORTED_STATIC}
                 rec = _record(pattern, t, node, shown, v.nodes, reason, context)
                 if reason is None:
                     plan.add(m)
@@ -395,6 +399,7 @@ def evaluate(graph: Graph, plan: Plan, args) -> list:
         env[v] = v.const
     for v, a in zip(graph.inputs, args):
         env[v] = a
+    live = M.live_nodes(graph)
     for node in graph.nodes:
         for m in plan.at.get(node, ()):
             vals = [None if a is None else _read(env, a) for a in m.args]
@@ -402,8 +407,8 @@ def evaluate(graph: Graph, plan: Plan, args) -> list:
                 outs = m.replace(vals)
             for o, val in zip(m.outputs, outs):
                 env[o] = val
-        if node in plan.skip:
-            continue
+        if node in plan.skip or (plan.skip and node not in live):
+            continue  # matched, or dead (it may read a value the rewrite removed)
         vals = [_read(env, a) for a in node.inputs]
         subplans = plan.bodies.get(node)
         if subplans is not None:

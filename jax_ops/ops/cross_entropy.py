@@ -41,6 +41,7 @@ from jax import core
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.op import Impl, Op, Stage, ffi, ffi_supports, pallas_supports
+from jax_ops.core.pattern import BF16, F32, OP_DTYPES, Formulation, Pattern, sds
 from jax_ops.core.validate import ACT_DTYPES
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import cross_entropy as pallas_ce
@@ -363,7 +364,8 @@ CROSS_ENTROPY = Op(
                        supports=pallas_supports(lambda q: pallas_ce.supports(q.cols)),
                        configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
     },
-    bench=lambda: cross_entropy_specs())  # the benchmark specs: end of this module
+    bench=lambda: cross_entropy_specs(),  # the benchmark specs: end of this module
+    patterns=lambda: cross_entropy_patterns())  # the rewrite patterns: end of this module
 
 
 # ------------------------------------------------------------- public API ---
@@ -748,3 +750,90 @@ def cross_entropy_specs() -> dict[str, BenchSpec]:
         diff_params=False, table_stages=("fwd", "bwd"),
         cotangent=lambda key, rows, cols, dtype: jnp.ones((), jnp.float32),
         title=" (mean loss, labels uniform)")}
+
+
+# -------------------------------------------- rewrite patterns (jax_ops.fx) ---
+# optax's softmax_cross_entropy_with_integer_labels and the hand-written
+# -take_along_axis(log_softmax(logits), labels), each optionally on logits cast to
+# float32 first (the cast is exact, and the op's math is float32: the replacement reads
+# the narrow logits), optionally averaged (reduction="mean"), and optionally on the
+# logits sliced along the sequence axis to the labels' length (a language model's
+# `logits[:, :-1]` against `ids[:, 1:]`): then the op reads the whole logits and the
+# rows past the labels are excluded with `where` (no sliced copy; their gradient is 0,
+# the transpose of the slice).
+
+def _shifted(logits, labels):
+    return logits[:, :labels.shape[1]]
+
+
+def _optax_ce_ref(logits, labels, *, upcast, shift, mean):
+    import optax
+    if shift:
+        logits = _shifted(logits, labels)
+    if upcast:
+        logits = logits.astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return loss.mean() if mean else loss
+
+
+def _log_softmax_take_ref(logits, labels, *, upcast, shift, mean):
+    if shift:
+        logits = _shifted(logits, labels)
+    if upcast:
+        logits = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)
+    nll = -picked[..., 0]
+    return nll.mean() if mean else nll
+
+
+def _ce_static(avals, out_aval):
+    logits, labels = avals[0], avals[1]
+    if logits is None or labels is None or len(logits.shape) != len(labels.shape) + 1:
+        return []
+    shifts = [False]
+    if len(logits.shape) == 3 and logits.shape[0] == labels.shape[0] and \
+            logits.shape[1] > labels.shape[1]:
+        shifts = [True]
+    upcasts = [False] if logits.dtype == jnp.float32 else [True, False]
+    means = [False, True] if out_aval is None else [len(out_aval.shape) == 0]
+    return [{"upcast": u, "shift": s, "mean": m} for u in upcasts for s in shifts for m in means]
+
+
+def _ce_examples():
+    """The shifted structure first: it contains the unshifted one and must win."""
+    out = [(sds((2, 8, 16), dt), sds((2, 7), jnp.int32)) for dt in (F32, BF16)]
+    for dt in (F32, BF16):
+        out.append((sds((8, 16), dt), sds((8,), jnp.int32)))
+        out.append((sds((2, 8, 16), dt), sds((2, 8), jnp.int32)))
+    return out
+
+
+def _ce_accepts(avals):
+    logits, labels = avals[0], avals[1]
+    if logits.dtype not in OP_DTYPES:
+        return f"logits are {logits.dtype}; jax_ops.cross_entropy takes float32, bfloat16, float16"
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        return f"labels are {labels.dtype}, not integers"
+    return None
+
+
+def cross_entropy_replacement(logits, labels, *, shift=False, mean=False, **_):
+    reduction = "mean" if mean else "none"
+    if not shift:
+        return cross_entropy(logits, labels, reduction=reduction)
+    n, t = labels.shape[1], logits.shape[1]
+    full = jnp.concatenate([labels, jnp.zeros((labels.shape[0], t - n), labels.dtype)], axis=1)
+    keep = jnp.broadcast_to(jnp.arange(t) < n, full.shape)
+    loss = cross_entropy(logits, full, where=keep, reduction=reduction)
+    return loss if mean else loss[:, :n]
+
+
+def cross_entropy_patterns() -> list[Pattern]:
+    return [Pattern("cross_entropy",
+                    [Formulation(_optax_ce_ref, _ce_static,
+                                 "optax.softmax_cross_entropy_with_integer_labels"),
+                     Formulation(_log_softmax_take_ref, _ce_static,
+                                 "-take_along_axis(log_softmax(logits), labels)")],
+                    cross_entropy_replacement, _ce_examples(), accepts=_ce_accepts,
+                    priority=1)]  # before log_softmax, which it contains
