@@ -14,6 +14,9 @@ import jax_ops
 from jax_ops import fx
 
 transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
+    pytest.skip("transformers without Flax models (>= 5): the test extra pins 4.57.6",
+                allow_module_level=True)
 
 
 def _rel(a, b):

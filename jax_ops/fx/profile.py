@@ -297,17 +297,23 @@ def _trace_events(compiled, args, kwargs, repeat: int, module: str) -> list:
 
 
 def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
-    jitted = jax.jit(fn)
-    compiled = jitted.lower(*args, **kwargs).compile()
+    lowered = jax.jit(fn).lower(*args, **kwargs)
+    # Kernels replayed inside a CUDA graph are tagged with the command buffer, not their
+    # instruction: the trace path compiles without command buffers (same kernels).
+    for options in ({"xla_gpu_enable_command_buffer": ""}, None):
+        try:
+            compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+            meta, custom_calls = hlo_metadata(compiled.as_text())
+            module = re.search(r"HloModule\s+([\w.\-]+)", compiled.as_text()).group(1)
+            rows = rows_from_trace(_trace_events(compiled, args, kwargs, repeat, module), meta, repeat)
+        except Exception:  # no such option / profiler plugin / trace format
+            rows = None
+        if rows:
+            return Profile(rows, sum(r.time_us for r in rows),
+                           f"profiler trace (kernels tagged with their HLO instruction"
+                           f"{'; command buffers off' if options else ''}), mean of {repeat}")
+    compiled = lowered.compile()
     meta, custom_calls = hlo_metadata(compiled.as_text())
-    try:
-        module = re.search(r"HloModule\s+([\w.\-]+)", compiled.as_text()).group(1)
-        rows = rows_from_trace(_trace_events(compiled, args, kwargs, repeat, module), meta, repeat)
-    except Exception:  # no profiler plugin / trace format: the CUPTI mapping below
-        rows = None
-    if rows:
-        return Profile(rows, sum(r.time_us for r in rows),
-                       f"profiler trace (kernels tagged with their HLO instruction), mean of {repeat}")
     return _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat)
 
 
