@@ -193,7 +193,11 @@ def test_matches_optax(V, dtype, impl):
     want, vjp = jax.vjp(lambda x: optax_ce(x, labels), xf)
     loss, g = run(x, labels, impl, ct)
     assert loss.dtype == jnp.float32 and loss.shape == (rows,)
-    assert_close("loss vs optax", loss, want, LOSS_TOL)
+    if V == 1:  # loss = lse - x = 0 up to the rounding of x itself (GPU: ~1e-7 |x|)
+        bound = 4 * np.finfo(np.float32).eps * max(1.0, float(jnp.abs(xf).max()))
+        assert float(jnp.abs(loss - want).max()) <= bound
+    else:
+        assert_close("loss vs optax", loss, want, LOSS_TOL)
     assert_close("dlogits vs optax", g, vjp(ct)[0], GRAD_TOL[dtype])
     check("reference", x, labels, impl, ct)
 

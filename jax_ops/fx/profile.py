@@ -296,8 +296,25 @@ def _trace_events(compiled, args, kwargs, repeat: int, module: str) -> list:
     return events
 
 
+def _lower_with_user_locations(fn, args, kwargs):
+    """jit(fn).lower with jax_ops' and pallas_kernels' own frames excluded from the HLO
+    source metadata (as jax's are), so our ops' kernels point at the user's line."""
+    import os
+    from jax._src import source_info_util  # private: register_exclusion / _exclude_paths
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # jax_ops/
+    paths = [here, os.path.join(os.path.dirname(here), "pallas_kernels")]
+    added = [p for p in paths if p not in source_info_util._exclude_paths]
+    for p in added:
+        source_info_util.register_exclusion(p)
+    try:
+        return jax.jit(fn).lower(*args, **kwargs)
+    finally:
+        for p in added:
+            source_info_util._exclude_paths.remove(p)
+
+
 def _gpu_profile(fn, args, kwargs, repeat: int) -> Profile:
-    lowered = jax.jit(fn).lower(*args, **kwargs)
+    lowered = _lower_with_user_locations(fn, args, kwargs)
     # Kernels replayed inside a CUDA graph are tagged with the command buffer, not their
     # instruction: the trace path compiles without command buffers (same kernels).
     for options in ({"xla_gpu_enable_command_buffer": ""}, None):
