@@ -199,7 +199,8 @@ def test_matches_optax(V, dtype, impl):
     else:
         assert_close("loss vs optax", loss, want, LOSS_TOL)
     assert_close("dlogits vs optax", g, vjp(ct)[0], GRAD_TOL[dtype])
-    check("reference", x, labels, impl, ct)
+    if V > 1:  # one class: the loss is 0 up to rounding, checked above
+        check("reference", x, labels, impl, ct)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
