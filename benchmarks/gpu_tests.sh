@@ -3,7 +3,7 @@
 # run pytest on the GPU (CUDA kernels and Pallas native), return the extension and logs.
 # Usage: bash benchmarks/gpu_tests.sh [pytest args...]   (default: the whole suite)
 set -uo pipefail
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/jax_ops_out}; mkdir -p "$OUT"
 { date -u +%FT%TZ; echo "commit $(cat .carry/COMMIT 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } | tee "$OUT/env.txt"
