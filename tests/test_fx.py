@@ -822,7 +822,9 @@ def test_near_miss_add_norm_intermediate_used_elsewhere():
     recs = fx.rewrites(f, x, r, S, B, policy="always")
     assert not recs.replaced
     assert {r.pattern for r in recs} == {"add_layer_norm", "layer_norm"}
-    assert all("intermediate var used elsewhere" in r.reason for r in recs), str(recs)
+    # the value's name comes from the source line where it can be read ("var"); on a
+    # GPU the reported value may be the equation's ("div result")
+    assert all("used elsewhere" in r.reason for r in recs), str(recs)
 
 
 def test_add_norm_with_a_wider_result_falls_back_to_the_plain_norm():
@@ -967,7 +969,7 @@ def test_near_miss_batch_norm_intermediate_used_by_the_stats():
     assert not _ops_in(fast, XB, SB, BB)
     recs = fx.rewrites(f, XB, SB, BB, policy="always", patterns=["batch_norm_relu"])
     assert recs and not recs.replaced
-    assert all("intermediate mul used elsewhere" in r.reason for r in recs), str(recs)
+    assert all("used elsewhere" in r.reason for r in recs), str(recs)
 
 
 def test_near_miss_batch_norm_over_another_axis():
@@ -1018,7 +1020,8 @@ def test_conv_batch_norm_folds_a_resnet_block_in_inference(dtype):
     def fn(x, v):
         return m.apply(v, x)
     if dtype == jnp.float32:
-        _check_tree(fn, (x, v), dtype, (0, 1))
+        with jax.default_matmul_precision("highest"):  # a GPU's default conv is TF32
+            _check_tree(fn, (x, v), dtype, (0, 1))
     else:
         # bfloat16: w * s is rounded where the original rounds the conv's output, so a
         # few relu masks flip (pre-activations within an ulp of 0): the gradients agree

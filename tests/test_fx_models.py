@@ -19,6 +19,13 @@ if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
                 allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def highest_precision():
+    """float32 matmuls and convolutions in float32 on a GPU too (its default is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
