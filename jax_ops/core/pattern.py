@@ -76,6 +76,8 @@ class Pattern:
     specialize(graph_args, avals, params) -> extra params for the replacement (facts
       read from the graph, e.g. a constant causal mask; graph_args are fx graph Values,
       Literals or None) or the reason not to replace.
+    reported: static or specialized params rewrites() shows with the captured literals
+      (attention's is_causal).
     decide(avals, params) -> None or why policy="auto" keeps the original (default:
       jax_ops.explain of the replacement picks one of our kernels).
     outputs: names of the reference's results. The first is the main output: the match
@@ -104,6 +106,7 @@ class Pattern:
     note: str = ""
     specialize: Callable | None = None
     decide: Callable | None = None
+    reported: tuple = ()
 
     def __post_init__(self):
         self.outputs = tuple(self.outputs)
@@ -154,3 +157,27 @@ def flax_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+def flax_linen_normalize(x, mean, var, scale, bias, reduction_axes, epsilon, dtype):
+    """flax.linen.normalization._normalize for a feature axis last: y = (x - mean) *
+    rsqrt(var + eps) * scale + bias with flax's operation order and result dtype (the
+    norm and BatchNorm formulations share it; mean/var are reduced over
+    reduction_axes)."""
+    from flax.linen import dtypes as flax_dtypes
+    feature_shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
+    mean = jnp.expand_dims(mean, reduction_axes)
+    var = jnp.expand_dims(var, reduction_axes)
+    y = x - mean
+    mul = jax.lax.rsqrt(var + epsilon)
+    args = [x]
+    if scale is not None:
+        scale = scale.reshape(feature_shape)
+        mul *= scale
+        args.append(scale)
+    y *= mul
+    if bias is not None:
+        bias = bias.reshape(feature_shape)
+        y += bias
+        args.append(bias)
+    return jnp.asarray(y, flax_dtypes.canonicalize_dtype(*args, dtype=dtype))

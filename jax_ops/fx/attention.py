@@ -296,7 +296,7 @@ def _accepts(avals):
 def attention_patterns() -> list[Pattern]:
     """Two patterns named "attention": flax's (scale 1/sqrt(depth) from the shape) and
     the hand-written ones (a literal scale)."""
-    common = dict(accepts=_accepts, specialize=_specialize, decide=_decide,
+    common = dict(accepts=_accepts, specialize=_specialize, decide=_decide, reported=("is_causal",),
                   priority=1,  # before softmax, which it contains
                   note="q·kᵀ, scale, constant causal bias/mask, softmax, ·v -> "
                        "jax.nn.dot_product_attention (cuDNN)")

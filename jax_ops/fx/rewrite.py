@@ -21,9 +21,6 @@ from jax_ops.core.dispatch import device_kind
 from jax_ops.core.op import default_platform
 
 POLICIES = ("auto", "always")
-#: static settings rewrites() shows with the captured literals (attention's causal mask,
-#: cross-entropy's reduction and sequence shift)
-_REPORTED_STATIC = ("is_causal", "mean", "shift")
 
 #: bodies optimize() rewrites in place (the node is re-issued through the public API)
 REWRITABLE_BODIES = ("checkpoint", "remat", "remat2", "scan", "cond", "while")
@@ -297,7 +294,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     reason = (pattern.decide(avals, params) if pattern.decide is not None
                               else _not_faster(m, avals))
                 shown = {k: v for k, v in params.items()
-                         if k in cand.params or k in _REPORTED_STATIC}
+                         if k in cand.params or k in pattern.reported}
                 rec = _record(pattern, t, node, shown, v.nodes, reason, context)
                 if reason is None:
                     plan.add(m)

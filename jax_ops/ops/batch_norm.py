@@ -43,7 +43,7 @@ from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_pol
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports)
 from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, flax_available,
-                                  out_dtypes, sds, wider_x)
+                                  flax_linen_normalize, out_dtypes, sds, wider_x)
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import batch_norm as pallas_bn
 
@@ -525,30 +525,13 @@ def flax_linen_batch_norm(x, scale, bias, mean, var, *, epsilon, training, fast,
     """flax.linen.BatchNorm(axis=-1) (flax/linen/normalization.py: BatchNorm.__call__,
     _compute_stats, _normalize) with its parameters and running statistics passed in;
     training: also the batch statistics."""
-    from flax.linen import dtypes as flax_dtypes
     from flax.linen import normalization as flax_norm
     reduction_axes = tuple(range(x.ndim - 1))
     if training:
         mean, var = flax_norm._compute_stats(x, reduction_axes, dtype=dtype,
                                              use_fast_variance=fast)
     stats = (mean, var)
-    feature_shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
-    mean = jnp.expand_dims(mean, reduction_axes)
-    var = jnp.expand_dims(var, reduction_axes)
-    y = x - mean
-    mul = jax.lax.rsqrt(var + epsilon)
-    args = [x]
-    if scale is not None:
-        scale = scale.reshape(feature_shape)
-        mul *= scale
-        args.append(scale)
-    y *= mul
-    if bias is not None:
-        bias = bias.reshape(feature_shape)
-        y += bias
-        args.append(bias)
-    dtype = flax_dtypes.canonicalize_dtype(*args, dtype=dtype)
-    return jnp.asarray(y, dtype), stats
+    return flax_linen_normalize(x, mean, var, scale, bias, reduction_axes, epsilon, dtype), stats
 
 
 def _bn_relu_reference(add: bool, training: bool):

@@ -370,6 +370,26 @@ CROSS_ENTROPY = Op(
 
 # ------------------------------------------------------------- public API ---
 
+def _check_where(op, where, logits_shape, expect, rank_of, add_class_axes):
+    """optax's `where`: bool, one flag per example (labels' shape `expect`, given the
+    class axes back by add_class_axes) or of the logits' rank (one per class)."""
+    where = jnp.asarray(where)
+    if where.dtype != jnp.bool_:
+        raise TypeError(f"jax_ops.{op}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
+    given, logits_shape = tuple(where.shape), tuple(logits_shape)
+    try:
+        if where.ndim != len(logits_shape):  # as optax: a per-example where
+            where = add_class_axes(where)
+        ok = where.ndim == len(logits_shape) and np.broadcast_shapes(where.shape, logits_shape) == logits_shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"jax_ops.{op}: where must broadcast to labels' shape {expect} (one flag "
+                         f"per example) or, with {rank_of} rank, to the logits' shape {logits_shape} "
+                         f"(one per class); got shape {given}")
+    return where
+
+
 def _labels_int32(labels, V):
     """labels (any integer dtype) -> int32 in [0, V]: negative labels in [-V, -1] count
     from the end (as optax's take_along_axis does), others outside [0, V) become V."""
@@ -434,21 +454,9 @@ def cross_entropy(logits, labels, *, axis: int | tuple[int, ...] = -1, where=Non
     ls, zl = _check_options(OP, labels, label_smoothing, z_loss, reduction, ignore_index)
     axes = _normalize_axes(axis, logits.ndim)
     if where is not None:
-        where = jnp.asarray(where)
-        if where.dtype != jnp.bool_:
-            raise TypeError(f"jax_ops.{OP}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
-        given = tuple(where.shape)
-        try:
-            if where.ndim != logits.ndim:  # as optax: a per-example where gets the class axes back
-                where = jnp.expand_dims(where, axis if isinstance(axis, int) else tuple(axis))
-            ok = where.ndim == logits.ndim and np.broadcast_shapes(where.shape, logits.shape) == logits.shape
-        except ValueError:
-            ok = False
-        if not ok:
-            expect = tuple(logits.shape[i] for i in range(logits.ndim) if i not in axes)
-            raise ValueError(f"jax_ops.{OP}: where must broadcast to labels' shape {expect} (one flag "
-                             f"per example) or, with logits' rank, to logits' shape "
-                             f"{tuple(logits.shape)} (one per class); got shape {given}")
+        expect = tuple(logits.shape[i] for i in range(logits.ndim) if i not in axes)
+        where = _check_where(OP, where, logits.shape, expect, "logits'",
+                             lambda w: jnp.expand_dims(w, axis if isinstance(axis, int) else tuple(axis)))
     logits, where = _move_classes_last(logits, where, axes)
     expect = tuple(logits.shape[:-1])
     if tuple(labels.shape) != expect:
@@ -681,20 +689,7 @@ def linear_cross_entropy(h, w, labels, *, bias=None, transposed_w: bool = False,
         raise ValueError(f"jax_ops.{LCE}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
     logits_shape = expect + (V,)
     if where is not None:
-        where = jnp.asarray(where)
-        if where.dtype != jnp.bool_:
-            raise TypeError(f"jax_ops.{LCE}: where must be a bool array; got dtype {_fmt_dtype(where.dtype)}")
-        given = tuple(where.shape)
-        try:
-            if where.ndim != len(logits_shape):
-                where = where[..., None]
-            ok = where.ndim == len(logits_shape) and np.broadcast_shapes(where.shape, logits_shape) == logits_shape
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"jax_ops.{LCE}: where must broadcast to labels' shape {expect} (one flag "
-                             f"per example) or, with h's rank, to the logits' shape {logits_shape} (one "
-                             f"per class); got shape {given}")
+        where = _check_where(LCE, where, logits_shape, expect, "h's", lambda w: w[..., None])
     lab, weight, mask = _row_weights(labels, where, ignore_index, reduction, V)
     N = int(np.prod(expect))
     if N == 0:
@@ -836,4 +831,4 @@ def cross_entropy_patterns() -> list[Pattern]:
                      Formulation(_log_softmax_take_ref, _ce_static,
                                  "-take_along_axis(log_softmax(logits), labels)")],
                     cross_entropy_replacement, _ce_examples(), accepts=_ce_accepts,
-                    priority=1)]  # before log_softmax, which it contains
+                    reported=("shift", "mean"), priority=1)]  # before log_softmax, which it contains

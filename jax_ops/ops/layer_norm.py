@@ -32,7 +32,8 @@ from jax_ops.core.validate import check_epsilon, check_vectors, check_x
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
 from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, accepts_x,
-                                  flax_available, out_dtypes, sds, wider_x)
+                                  flax_available, flax_linen_normalize, out_dtypes, sds,
+                                  wider_x)
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import layer_norm as pallas_norm
 
@@ -619,27 +620,9 @@ def _norm_accepts(avals):
 def _flax_linen_norm(x, scale, bias, *, epsilon, fast, dtype, rms):
     """flax.linen LayerNorm/RMSNorm over the last axis (flax/linen/normalization.py
     _compute_stats + _normalize, with the parameters passed in)."""
-    from flax.linen import dtypes as flax_dtypes
     from flax.linen import normalization as flax_norm
     mean, var = flax_norm._compute_stats(x, -1, dtype, use_mean=not rms, use_fast_variance=fast)
-    axis = (x.ndim - 1,)
-    feature_shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
-    mean = jnp.expand_dims(mean, axis)
-    var = jnp.expand_dims(var, axis)
-    centered = x - mean
-    mul = jax.lax.rsqrt(var + epsilon)
-    args = [x]
-    if scale is not None:
-        scale = scale.reshape(feature_shape)
-        mul *= scale
-        args.append(scale)
-    centered *= mul
-    if bias is not None:
-        bias = bias.reshape(feature_shape)
-        centered += bias
-        args.append(bias)
-    dtype = flax_dtypes.canonicalize_dtype(*args, dtype=dtype)
-    return jnp.asarray(centered, dtype)
+    return flax_linen_normalize(x, mean, var, scale, bias, (x.ndim - 1,), epsilon, dtype)
 
 
 def _flax_nnx_norm(x, scale, bias, *, epsilon, fast, dtype, rms):
