@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include "cuda_src/common.h"
 
 namespace jax_ops {
@@ -129,6 +130,111 @@ cudaError_t dispatch_group_shape(int64_t nvec, Launch&& launch) {
 inline int block_threads(int64_t nvec) {
   const int64_t t = ((nvec + 3) / 4 + 31) / 32 * 32;
   return int(t < 128 ? 128 : (t > 1024 ? 1024 : t));
+}
+
+// ------------------------------------------- thread-block clusters (sm_90) ---
+// A row can be split over the blocks of a Hopper thread-block cluster, which exchange
+// row reductions through distributed shared memory. These wrappers compile to the
+// cluster instructions for sm_90 and later; older targets never launch a cluster
+// kernel (launch_clusters refuses), and trap if they somehow did.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define JO_HAS_CLUSTERS 1
+#endif
+
+__device__ __forceinline__ int cluster_rank() {
+#ifdef JO_HAS_CLUSTERS
+  return int(__clusterRelativeBlockRank());
+#else
+  __trap();
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ int cluster_size() {
+#ifdef JO_HAS_CLUSTERS
+  return int(__clusterSizeInBlocks());
+#else
+  __trap();
+  return 1;
+#endif
+}
+
+// Barrier over every thread of the cluster; release/acquire, so shared-memory writes
+// before it are visible to the other blocks' reads after it.
+__device__ __forceinline__ void cluster_sync() {
+#ifdef JO_HAS_CLUSTERS
+  __cluster_barrier_arrive();
+  __cluster_barrier_wait();
+#else
+  __trap();
+#endif
+}
+
+// The address of `p` (this block's shared memory) in block `rank` of the cluster.
+template <typename V>
+__device__ __forceinline__ const V* cluster_map(const V* p, int rank) {
+#ifdef JO_HAS_CLUSTERS
+  return static_cast<const V*>(__cluster_map_shared_rank(p, unsigned(rank)));
+#else
+  __trap();
+  return p;
+#endif
+}
+
+// Largest cluster size used (portable: no opt-in attribute needed).
+constexpr int kMaxClusterBlocks = 8;
+
+// Whether `kernel` can be launched in clusters on the current device: compute
+// capability 9.0 or later and the kernel's machine code built for it.
+template <typename Kernel>
+bool clusters_supported(Kernel kernel) {
+  int dev = 0, major = 0;
+  cudaFuncAttributes fa;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 9 && fa.binaryVersion >= 90;
+}
+
+inline cudaLaunchConfig_t cluster_config(cudaLaunchAttribute* attr, int cs, int threads, int64_t clusters,
+                                         cudaStream_t stream) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = unsigned(cs);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(clusters * cs));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Clusters of `cs` blocks of `threads` for a persistent 1-D grid of `kernel`: as many
+// as can be resident at once, at most work_clusters.
+template <typename... KArgs>
+cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t work_clusters, int64_t* clusters) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, 1, nullptr);
+  int resident = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+  if (err != cudaSuccess) return err;
+  if (resident < 1) return cudaErrorInvalidConfiguration;
+  *clusters = work_clusters < 1 ? 1 : (work_clusters < resident ? work_clusters : resident);
+  return cudaSuccess;
+}
+
+template <typename... KArgs, typename... Args>
+cudaError_t launch_clusters(void (*kernel)(KArgs...), int cs, int threads, int64_t clusters, cudaStream_t stream,
+                            Args&&... args) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, clusters, stream);
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 // A tuning knob from the environment: the integer value of `name`, or `fallback` when

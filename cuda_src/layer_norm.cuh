@@ -67,39 +67,129 @@ __device__ __forceinline__ NormAcc group_merge(NormAcc acc, bool rms) {
   return acc;
 }
 
-// Whole-block merge; returns the row statistics to every thread.
-__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms) {
+// Whole-block merge: the block's merged state, valid in warp 0.
+__device__ __forceinline__ NormAcc block_merge(NormAcc acc, bool rms) {
   __shared__ float red[3][32];
-  __shared__ RowStats bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
   acc = group_merge<32>(acc, rms);
   if (lane == 0) { red[0][warp] = acc.mean; red[1][warp] = acc.m2; red[2][warp] = acc.count; }
   __syncthreads();
+  NormAcc w;
   if (warp == 0) {
-    NormAcc w;
     if (lane < nwarps) { w.mean = red[0][lane]; w.m2 = red[1][lane]; w.count = red[2][lane]; }
     w = group_merge<32>(w, rms);
-    if (lane == 0) bcast = finish_stats(w, cols, eps, rms);
   }
+  return w;
+}
+
+// Whole-block merge; returns the row statistics to every thread.
+__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms) {
+  __shared__ RowStats bcast;
+  const NormAcc w = block_merge(acc, rms);
+  if (threadIdx.x == 0) bcast = finish_stats(w, cols, eps, rms);
   __syncthreads();
   return bcast;
 }
 
-// Sums of two values over the block, returned to every thread (fixed order).
-__device__ __forceinline__ float2 block_sum2(float a, float b) {
+// Block sums of two values (fixed order), valid in warp 0.
+__device__ __forceinline__ float2 block_sum2_warp0(float a, float b) {
   __shared__ float red[2][32];
-  __shared__ float2 bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
   a = group_sum<32>(a); b = group_sum<32>(b);
   if (lane == 0) { red[0][warp] = a; red[1][warp] = b; }
   __syncthreads();
+  float wa = 0.f, wb = 0.f;
   if (warp == 0) {
-    float wa = lane < nwarps ? red[0][lane] : 0.f, wb = lane < nwarps ? red[1][lane] : 0.f;
+    wa = lane < nwarps ? red[0][lane] : 0.f; wb = lane < nwarps ? red[1][lane] : 0.f;
     wa = group_sum<32>(wa); wb = group_sum<32>(wb);
-    if (lane == 0) bcast = make_float2(wa, wb);
   }
+  return make_float2(wa, wb);
+}
+
+// Sums of two values over the block, returned to every thread (fixed order).
+__device__ __forceinline__ float2 block_sum2(float a, float b) {
+  __shared__ float2 bcast;
+  const float2 w = block_sum2_warp0(a, b);
+  if (threadIdx.x == 0) bcast = w;
   __syncthreads();
   return bcast;
+}
+
+// ------------------------------------------- rows split over a cluster (sm_90) ---
+// Rows longer than one block holds in registers are split over the blocks of a
+// thread-block cluster: each block keeps its column slice in registers (the backward
+// also its dscale/dbias partials, across all of its rows), and the row reductions
+// are exchanged through distributed shared memory. One cluster barrier per row:
+// each block publishes its block-level partial in the slot of the row's parity, so
+// a block already on the next row writes the other slot; every block merges the
+// partials of ranks 0..size-1 in the same fixed tree, so all get bitwise equal
+// results. Without CLUSTER the same kernels run a block per row.
+
+// A block's share of the work: its rows (those of its cluster) and, through its
+// rank, its columns.
+struct RowSplit {
+  int rank, size;           // rank of the block in its cluster; blocks per cluster
+  int64_t first_row, step;  // this block's rows: first_row, first_row + step, ...
+  // The thread's index among the cluster's threads, and their number (columns of a
+  // row go round-robin over them in packs).
+  __device__ __forceinline__ int64_t thread() const { return int64_t(rank) * blockDim.x + threadIdx.x; }
+  __device__ __forceinline__ int64_t threads() const { return int64_t(size) * blockDim.x; }
+};
+
+template <bool CLUSTER>
+__device__ __forceinline__ RowSplit row_split() {
+  if constexpr (CLUSTER) {
+    const int size = cluster_size();
+    return {cluster_rank(), size, int64_t(blockIdx.x) / size, int64_t(gridDim.x) / size};
+  } else {
+    return {0, 1, int64_t(blockIdx.x), int64_t(gridDim.x)};
+  }
+}
+
+// Row statistics from every thread's accumulator, over the block or the cluster.
+template <bool CLUSTER>
+__device__ __forceinline__ RowStats row_stats(NormAcc acc, int64_t cols, float eps, bool rms, int parity) {
+  if constexpr (!CLUSTER) {
+    return block_stats(acc, cols, eps, rms);
+  } else {
+    __shared__ float part[2][3];
+    const NormAcc w = block_merge(acc, rms);
+    if (threadIdx.x == 0) { part[parity][0] = w.mean; part[parity][1] = w.m2; part[parity][2] = w.count; }
+    cluster_sync();
+    // Lane j of each group of 8 reads rank j's partial (count 0 beyond the cluster).
+    NormAcc c;
+    const int r = int(threadIdx.x % kMaxClusterBlocks);
+    if (r < cluster_size()) {
+      const float* p = cluster_map(&part[parity][0], r);
+      c.mean = p[0]; c.m2 = p[1]; c.count = p[2];
+    }
+    c = group_merge<kMaxClusterBlocks>(c, rms);
+    return finish_stats(c, cols, eps, rms);
+  }
+}
+
+// Sums of two values over the block or the cluster, returned to every thread.
+template <bool CLUSTER>
+__device__ __forceinline__ float2 row_sum2(float a, float b, int parity) {
+  if constexpr (!CLUSTER) {
+    return block_sum2(a, b);
+  } else {
+    __shared__ float2 part[2];
+    const float2 w = block_sum2_warp0(a, b);
+    if (threadIdx.x == 0) part[parity] = w;
+    cluster_sync();
+    float2 c = make_float2(0.f, 0.f);
+    const int r = int(threadIdx.x % kMaxClusterBlocks);
+    if (r < cluster_size()) c = *cluster_map(&part[parity], r);
+    return make_float2(group_sum<kMaxClusterBlocks>(c.x), group_sum<kMaxClusterBlocks>(c.y));
+  }
+}
+
+// A block may leave only when no other block of its cluster still reads its
+// shared memory.
+template <bool CLUSTER>
+__device__ __forceinline__ void row_split_exit() {
+  if constexpr (CLUSTER) cluster_sync();
 }
 
 // ---------------------------------------------------- load/store functors ---
@@ -277,19 +367,22 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   }
 }
 
-// Block per row, each thread holding K packs of the row in registers: no shared
-// memory round trip, and all K loads of a thread are in flight at once.
-template <typename T, typename P, int PACK, int K, typename L>
-__global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
+// Block (or cluster) per row, each thread holding K packs of the row in registers:
+// no shared memory round trip, and all K loads of a thread are in flight at once.
+template <typename T, typename P, int PACK, int K, typename L, bool CLUSTER = false>
+__global__ void __launch_bounds__((K >= 8 || CLUSTER) ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
   const L load(a);
   T* y = static_cast<T*>(a.y);
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  const RowSplit sp = row_split<CLUSTER>();
+  const int64_t tid = sp.thread(), span = sp.threads();
+  int parity = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
     PackT raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
+      const int64_t v = tid + int64_t(k) * span;
       if (v < nvec) load((row * nvec + v) * PACK, raw[k]);
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
@@ -298,7 +391,7 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
     float s = 0.f, q = 0.f, cnt = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (threadIdx.x + int64_t(k) * blockDim.x < nvec) {
+      if (tid + int64_t(k) * span < nvec) {
         cnt += float(PACK);
 #pragma unroll
         for (int j = 0; j < PACK; ++j) s += to_float(raw[k].v[j]);
@@ -306,17 +399,17 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
     const float local_mean = (a.rms || cnt == 0.f) ? 0.f : s / cnt;
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (threadIdx.x + int64_t(k) * blockDim.x < nvec)
+      if (tid + int64_t(k) * span < nvec)
 #pragma unroll
         for (int j = 0; j < PACK; ++j) {
           const float d = to_float(raw[k].v[j]) - local_mean;
           q += d * d;
         }
     acc.mean = local_mean; acc.m2 = q; acc.count = cnt;
-    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
+    const RowStats st = row_stats<CLUSTER>(acc, a.cols, a.eps, a.rms, parity);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
+      const int64_t v = tid + int64_t(k) * span;
       if (v >= nvec) continue;
       float sc[PACK], bi[PACK], out[PACK];
       load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
@@ -325,11 +418,12 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
       for (int j = 0; j < PACK; ++j) out[j] = norm_out(to_float(raw[k].v[j]), st, sc[j], bi[j]);
       store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
     }
-    if (threadIdx.x == 0 && a.rstd != nullptr) {
+    if (tid == 0 && a.rstd != nullptr) {
       if (a.mean != nullptr) a.mean[row] = st.mean;
       a.rstd[row] = st.rstd;
     }
   }
+  row_split_exit<CLUSTER>();
 }
 
 template <typename T, typename P, int PACK, bool CACHE, typename L>
@@ -478,33 +572,37 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
   }
 }
 
-// Block per row; each thread owns K packs of every row (fixed columns), so its
-// dscale/dbias partials stay in registers across rows.
-template <typename T, typename P, int PACK, int K, typename S>
+// Block (or cluster) per row; each thread owns K packs of every row (fixed
+// columns), so its dscale/dbias partials stay in registers across rows. Partial row
+// j of part_ds/part_db is block j's (cluster j's: its blocks write disjoint columns).
+template <typename T, typename P, int PACK, int K, typename S, bool CLUSTER = false>
 __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = K * PACK;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const S store(a);
   const float inv_n = 1.f / float(a.cols);
+  const RowSplit sp = row_split<CLUSTER>();
+  const int64_t tid = sp.thread(), span = sp.threads();
   float ds[N], db[N], sc[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) { ds[i] = 0.f; db[i] = 0.f; }
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+    const int64_t col = (tid + int64_t(k) * span) * PACK;
     float s[PACK];
     if (col < a.cols) load_param<P, PACK>(a.scale, col, 1.f, s);
 #pragma unroll
     for (int j = 0; j < PACK; ++j) sc[k * PACK + j] = col < a.cols ? s[j] : 0.f;
   }
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  int parity = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
     const float mean = a.rms ? 0.f : a.mean[row];
     const float rstd = a.rstd[row];
     float xh[N], g[N], dyv[N], sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+      const int64_t col = (tid + int64_t(k) * span) * PACK;
       float xv[PACK], dv[PACK];
       if (col < a.cols) {
         load_pack<T, PACK>(x + row * a.cols + col, xv);
@@ -523,11 +621,11 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
         sum_gx += g[i] * xh[i];
       }
     }
-    const float2 sums = block_sum2(sum_g, sum_gx);
+    const float2 sums = row_sum2<CLUSTER>(sum_g, sum_gx, parity);
     const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+      const int64_t col = (tid + int64_t(k) * span) * PACK;
       if (col >= a.cols) continue;
       float out[PACK];
 #pragma unroll
@@ -540,14 +638,16 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
       store(row * a.cols + col, out);
     }
   }
+  row_split_exit<CLUSTER>();
+  const int64_t part = sp.first_row;  // the block's (cluster's) index in the grid
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const int64_t col = (threadIdx.x + int64_t(k) * blockDim.x) * PACK;
+    const int64_t col = (tid + int64_t(k) * span) * PACK;
     if (col >= a.cols) continue;
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
-      if (part_ds) part_ds[blockIdx.x * a.cols + col + j] = ds[k * PACK + j];
-      if (part_db) part_db[blockIdx.x * a.cols + col + j] = db[k * PACK + j];
+      if (part_ds) part_ds[part * a.cols + col + j] = ds[k * PACK + j];
+      if (part_db) part_db[part * a.cols + col + j] = db[k * PACK + j];
     }
   }
 }
@@ -717,8 +817,59 @@ cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
   }
 }
 
+// Cluster tier (sm_90): a row of nvec packs split over cs blocks (a power of two
+// up to 8) of `threads`, K packs a thread. The knobs (threads a block, packs a
+// thread) let the benchmarks measure other shapes without a rebuild.
+struct ClusterShape { int cs, threads, k; };
+
+inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k_target, int k_max) {
+  // The fewest blocks with <= max_threads threads of k_target packs; then more packs a
+  // thread when 8 blocks are not enough; threads trimmed to what the row needs.
+  int k = k_target, cs = 1;
+  while (cs < kMaxClusterBlocks && nvec > int64_t(cs) * max_threads * k) cs *= 2;
+  while (k < k_max && nvec > int64_t(cs) * max_threads * k) k *= 2;
+  const int64_t per_block = (nvec + int64_t(cs) * k - 1) / (int64_t(cs) * k);
+  return {cs, int((per_block + 31) / 32 * 32), k};
+}
+
+template <typename T, typename P, int PACK, int K, typename L>
+cudaError_t launch_fwd_cluster_k(const FwdAddArgs& a, const ClusterShape& shape, cudaStream_t stream) {
+  auto kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
+  int64_t clusters = 0;
+  const cudaError_t err = cluster_grid(kernel, shape.cs, shape.threads, a.rows, &clusters);
+  if (err != cudaSuccess) return err;
+  return launch_clusters(kernel, shape.cs, shape.threads, clusters, stream, static_cast<const typename L::Args&>(a));
+}
+
+// Whether the forward takes the cluster tier, and with which shape; false keeps the
+// single-block tiers (pre-Hopper, rows below the threshold, or rows too long).
+template <typename T, typename P, int PACK, typename L>
+bool fwd_cluster_shape(const FwdAddArgs& a, ClusterShape* shape) {
+  static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 16 * 1024 + 1);
+  static const int threads = env_knob("JAX_OPS_NORM_FWD_CLUSTER_THREADS", 256);
+  static const int k = env_knob("JAX_OPS_NORM_FWD_CLUSTER_PACKS", 2);
+  if (min_bytes <= 0 || a.cols * int64_t(sizeof(T)) < min_bytes) return false;
+  if (!clusters_supported(fwd_block_regs_kernel<T, P, PACK, 1, L, true>)) return false;
+  const int64_t nvec = a.cols / PACK;
+  *shape = cluster_shape(nvec, threads, k < 1 ? 1 : (k > 8 ? 8 : k), 8);
+  return shape->threads <= 512 && int64_t(shape->cs) * shape->threads * shape->k >= nvec;
+}
+
+template <typename T, typename P, int PACK, typename L>
+cudaError_t launch_fwd_cluster(const FwdAddArgs& a, const ClusterShape& shape, cudaStream_t stream) {
+  switch (shape.k) {
+    case 1: return launch_fwd_cluster_k<T, P, PACK, 1, L>(a, shape, stream);
+    case 2: return launch_fwd_cluster_k<T, P, PACK, 2, L>(a, shape, stream);
+    case 4: return launch_fwd_cluster_k<T, P, PACK, 4, L>(a, shape, stream);
+    default: return launch_fwd_cluster_k<T, P, PACK, 8, L>(a, shape, stream);
+  }
+}
+
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
+  ClusterShape shape;
+  if (a.cols > fwd_regs_max_cols<T, PACK>() && fwd_cluster_shape<T, P, PACK, L>(a, &shape))
+    return launch_fwd_cluster<T, P, PACK, L>(a, shape, stream);
   if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
   if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK, L>(a, stream);
   return launch_fwd_block<T, P, PACK, L>(a, stream);
@@ -741,7 +892,10 @@ cudaError_t launch_fwd(const FwdAddArgs& a, cudaStream_t stream) {
 }
 
 // Backward: dscale/dbias partials go to the XLA-allocated workspace a.work
-// ([2, work_rows, cols] float32); grids are capped at work_rows blocks.
+// ([2, work_rows, cols] float32); grids are capped at work_rows blocks. Every
+// launcher takes `plan`: when not null nothing runs and *plan gets the number of
+// partial rows the call would write (0 without dscale/dbias), which sizes the
+// workspace at lowering time (norm_bwd_partial_rows).
 
 template <typename P>
 cudaError_t finish_param_grads(const BwdArgs& a, const float* part_ds, const float* part_db,
@@ -752,31 +906,40 @@ cudaError_t finish_param_grads(const BwdArgs& a, const float* part_ds, const flo
   return cudaGetLastError();
 }
 
+inline bool wants_param_grads(const BwdArgs& a) { return a.dscale || a.dbias; }
+
 inline cudaError_t partial_buffers(const BwdArgs& a, int64_t nparts, float** ds, float** db) {
   *ds = *db = nullptr;
-  if (!a.dscale && !a.dbias) return cudaSuccess;
+  if (!wants_param_grads(a)) return cudaSuccess;
   if (a.work == nullptr || nparts > a.work_rows) return cudaErrorInvalidValue;
   if (a.dscale) *ds = a.work;
   if (a.dbias) *db = a.work + a.work_rows * a.cols;
   return cudaSuccess;
 }
 
-inline int cap_blocks(const BwdArgs& a, int blocks) {
-  return (a.dscale || a.dbias) && a.work_rows < blocks ? int(a.work_rows) : blocks;
+inline int64_t cap_blocks(const BwdArgs& a, int64_t blocks) {
+  return wants_param_grads(a) && a.work_rows < blocks ? a.work_rows : blocks;
+}
+
+// The dry run's answer: partial rows written by a grid of `parts`.
+inline cudaError_t plan_parts(const BwdArgs& a, int64_t parts, int64_t* plan) {
+  *plan = wants_param_grads(a) ? parts : 0;
+  return cudaSuccess;
 }
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
-cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream) {
+cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   constexpr int ROWS = WIDTH < 32 ? 2 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
-  const bool partials = a.dscale || a.dbias;
+  const bool partials = wants_param_grads(a);
   const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
   cudaError_t err;
   if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
   int blocks = 0;
   if ((err = resident_blocks(kernel, kRegsThreads, smem, (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, &blocks)) != cudaSuccess) return err;
-  blocks = cap_blocks(a, blocks);
+  blocks = int(cap_blocks(a, blocks));
+  if (plan) return plan_parts(a, blocks, plan);
   float *ds = nullptr, *db = nullptr;
   if ((err = partial_buffers(a, blocks, &ds, &db)) != cudaSuccess) return err;
   kernel<<<blocks, kRegsThreads, smem, stream>>>(a, ds, db);
@@ -785,17 +948,17 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream) {
 }
 
 template <typename T, typename P, int PACK, typename S>
-cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream) {
+cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   return dispatch_group_shape<PACK, kRegsMaxCols>(a.cols / PACK, [&](auto vpt, auto width) {
-    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream);
+    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream, plan);
   });
 }
 
 template <typename T, typename P, int PACK, typename S, int K = 1>
-cudaError_t launch_bwd_block_regs(const BwdAddArgs& a, cudaStream_t stream) {
+cudaError_t launch_bwd_block_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   const int64_t nvec = a.cols / PACK;
   if (nvec > int64_t(1024) * K) {
-    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, S, K * 2>(a, stream);
+    if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, S, K * 2>(a, stream, plan);
     else return cudaErrorInvalidValue;
   } else {
     const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
@@ -803,38 +966,73 @@ cudaError_t launch_bwd_block_regs(const BwdAddArgs& a, cudaStream_t stream) {
     cudaError_t err;
     int blocks = 0;
     if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
-    blocks = cap_blocks(a, blocks);
+    blocks = int(cap_blocks(a, blocks));
+    if (plan) return plan_parts(a, blocks, plan);
     float *ds = nullptr, *db = nullptr;
     if ((err = partial_buffers(a, blocks, &ds, &db)) != cudaSuccess) return err;
     kernel<<<blocks, threads, 0, stream>>>(a, ds, db);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
-    return (a.dscale || a.dbias) ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
+    return wants_param_grads(a) ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
   }
 }
 
+// Cluster tier of the backward (sm_90): block_regs' kernel with the row split over
+// a cluster, up to 8 elements a thread (x, dy, partials in registers).
+template <typename T, typename P, int PACK, typename S, int K>
+cudaError_t launch_bwd_cluster_k(const BwdAddArgs& a, const ClusterShape& shape, cudaStream_t stream,
+                                 int64_t* plan) {
+  auto kernel = bwd_block_regs_kernel<T, P, PACK, K, S, true>;
+  // Partial rows: one per cluster, so at most work_rows clusters.
+  int64_t clusters = 0;
+  cudaError_t err = cluster_grid(kernel, shape.cs, shape.threads, cap_blocks(a, a.rows), &clusters);
+  if (err != cudaSuccess) return err;
+  if (plan) return plan_parts(a, clusters, plan);
+  float *ds = nullptr, *db = nullptr;
+  if ((err = partial_buffers(a, clusters, &ds, &db)) != cudaSuccess) return err;
+  if ((err = launch_clusters(kernel, shape.cs, shape.threads, clusters, stream,
+                             static_cast<const typename S::Args&>(a), ds, db)) != cudaSuccess)
+    return err;
+  return wants_param_grads(a) ? finish_param_grads<P>(a, ds, db, clusters, stream) : cudaSuccess;
+}
+
 template <typename T, typename P, int PACK, typename S>
-cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream) {
+bool bwd_cluster_shape(const BwdAddArgs& a, ClusterShape* shape) {
+  static const int min_cols = env_knob("JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS", kBlockRegsMaxCols + 1);
+  static const int threads = env_knob("JAX_OPS_NORM_BWD_CLUSTER_THREADS", 512);
+  constexpr int K = PACK >= 8 ? 1 : 8 / PACK;  // 8 elements a thread
+  if (min_cols <= 0 || a.cols < min_cols) return false;
+  if (!clusters_supported(bwd_block_regs_kernel<T, P, PACK, K, S, true>)) return false;
+  const int64_t nvec = a.cols / PACK;
+  // Blocks of `threads` first; when 8 of them are too few, blocks of up to 1024.
+  for (const int t : {threads < 32 ? 32 : (threads > 1024 ? 1024 : threads), 1024}) {
+    *shape = cluster_shape(nvec, t, K, K);
+    if (int64_t(shape->cs) * shape->threads * K >= nvec) return true;
+  }
+  return false;
+}
+
+template <typename T, typename P, int PACK, typename S>
+cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   const int64_t nvec = a.cols / PACK;
   const int threads = block_threads(nvec);
   const size_t smem = 2 * size_t(a.cols) * sizeof(T);
   cudaError_t err;
   int blocks = 0;
-  if (cached_grid(bwd_block_kernel<T, P, PACK, true, S>, threads, smem, a.rows, &blocks)) {
-    bwd_block_kernel<T, P, PACK, true, S><<<blocks, threads, smem, stream>>>(a);
-  } else {
-    auto kernel = bwd_block_kernel<T, P, PACK, false, S>;
-    if ((err = resident_blocks(kernel, threads, 0, a.rows, &blocks)) != cudaSuccess) return err;
-    kernel<<<blocks, threads, 0, stream>>>(a);
-  }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if (!a.dscale && !a.dbias) return cudaSuccess;
+  const bool cached = cached_grid(bwd_block_kernel<T, P, PACK, true, S>, threads, smem, a.rows, &blocks);
+  if (!cached && (err = resident_blocks(bwd_block_kernel<T, P, PACK, false, S>, threads, 0, a.rows, &blocks)) != cudaSuccess)
+    return err;
   // Enough row chunks to fill the machine a few times over with 32-column tiles.
   const int64_t col_tiles = (a.cols + 31) / 32;
   int64_t chunks = (int64_t(sm_count()) * 16 + col_tiles - 1) / col_tiles;
   chunks = chunks < 1 ? 1 : (chunks > a.rows ? a.rows : chunks);
-  chunks = chunks > a.work_rows ? a.work_rows : chunks;
+  chunks = cap_blocks(a, chunks);
   const int64_t chunk_rows = (a.rows + chunks - 1) / chunks;
   chunks = (a.rows + chunk_rows - 1) / chunk_rows;
+  if (plan) return plan_parts(a, chunks, plan);
+  if (cached) bwd_block_kernel<T, P, PACK, true, S><<<blocks, threads, smem, stream>>>(a);
+  else bwd_block_kernel<T, P, PACK, false, S><<<blocks, threads, 0, stream>>>(a);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (!wants_param_grads(a)) return cudaSuccess;
   float *ds = nullptr, *db = nullptr;
   if ((err = partial_buffers(a, chunks, &ds, &db)) != cudaSuccess) return err;
   param_grad_kernel<T><<<dim3(unsigned(col_tiles), unsigned(chunks)), 256, 0, stream>>>(a, chunk_rows, ds, db);
@@ -843,21 +1041,27 @@ cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream) {
 }
 
 template <typename T, typename P, int PACK, typename S>
-cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream) {
-  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream);
-  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK, S>(a, stream);
-  return launch_bwd_block<T, P, PACK, S>(a, stream);
+cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  ClusterShape shape;
+  if (a.cols > kRegsMaxCols && bwd_cluster_shape<T, P, PACK, S>(a, &shape)) {
+    constexpr int K = PACK >= 8 ? 1 : 8 / PACK;
+    return launch_bwd_cluster_k<T, P, PACK, S, K>(a, shape, stream, plan);
+  }
+  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream, plan);
+  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK, S>(a, stream, plan);
+  return launch_bwd_block<T, P, PACK, S>(a, stream, plan);
 }
 
 template <typename T, typename P, int PACK>
-cudaError_t launch_bwd_store(const BwdAddArgs& a, cudaStream_t stream) {
-  return a.dh ? launch_bwd_packed<T, P, PACK, StoreDxAddDh<T>>(a, stream)
-              : launch_bwd_packed<T, P, PACK, StoreDx<T>>(a, stream);
+cudaError_t launch_bwd_store(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  return a.dh ? launch_bwd_packed<T, P, PACK, StoreDxAddDh<T>>(a, stream, plan)
+              : launch_bwd_packed<T, P, PACK, StoreDx<T>>(a, stream, plan);
 }
 
 template <typename T, typename P>
-cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream) {
+cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan = nullptr) {
   if (a.rows == 0) {
+    if (plan) return plan_parts(a, 0, plan);
     // No rows: dscale/dbias are sums over nothing.
     cudaError_t err = cudaSuccess;
     if (a.dscale) err = cudaMemsetAsync(a.dscale, 0, size_t(a.cols) * sizeof(P), stream);
@@ -867,7 +1071,7 @@ cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
   const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) &&
                       aligned_to(a.dx, 16) && aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.dh, 16);
-  return vec_ok ? launch_bwd_store<T, P, VEC>(a, stream) : launch_bwd_store<T, P, 1>(a, stream);
+  return vec_ok ? launch_bwd_store<T, P, VEC>(a, stream, plan) : launch_bwd_store<T, P, 1>(a, stream, plan);
 }
 
 }  // namespace jax_ops::norm

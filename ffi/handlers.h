@@ -26,3 +26,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxOpsBnReluBwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxOpsCeFwdCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxOpsCeBwdCuda);
 #endif
+
+#ifdef JAX_OPS_WITH_CUDA
+#include <cstdint>
+namespace jax_ops::norm {
+// ffi/layer_norm.cc: the partial rows of the CUDA backward's workspace (its grid on
+// the current device), -1 when unknown.
+int64_t bwd_partial_rows(const char* x_dtype, const char* param_dtype, int64_t rows, int64_t cols, bool rms,
+                         bool add, bool dscale, bool dbias);
+}  // namespace jax_ops::norm
+#endif

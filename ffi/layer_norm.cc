@@ -274,6 +274,36 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dh
 #endif
 
 }  // namespace
+
+#ifdef JAX_OPS_WITH_CUDA
+// The partial rows ([2, P, cols] workspace) the CUDA backward writes on the current
+// device for these operands: its launchers' dry run, so the workspace XLA allocates
+// is the grid's (resident blocks), known at lowering. -1 when it cannot be asked (no
+// device, unsupported dtypes). rows < 0: unknown (symbolic), the largest grid.
+int64_t bwd_partial_rows(const char* x_dtype, const char* param_dtype, int64_t rows, int64_t cols, bool rms,
+                         bool add, bool dscale, bool dbias) {
+  const auto dtype = [](std::string n) {
+    return n == "float32" ? ffi::DataType::F32 : n == "bfloat16" ? ffi::DataType::BF16
+         : n == "float16" ? ffi::DataType::F16 : ffi::DataType::INVALID;
+  };
+  // Never dereferenced in a dry run: only null / not null and alignment matter.
+  void* const some = reinterpret_cast<void*>(uintptr_t(256));
+  BwdAddArgs a{{some, some, rms ? nullptr : static_cast<const float*>(some), static_cast<const float*>(some),
+                nullptr, some, dscale ? some : nullptr, dbias ? some : nullptr,
+                rows < 0 ? (int64_t(1) << 40) : rows, cols, rms, static_cast<float*>(some), int64_t(1) << 40},
+               add ? some : nullptr};
+  if (cols < 1) return -1;
+  int64_t parts = -1;
+  const ffi::Error err = dispatch_act_param(dtype(x_dtype), dtype(param_dtype), [&](auto t, auto p) {
+    if (launch_bwd<decltype(t), decltype(p)>(a, nullptr, &parts) != cudaSuccess) {
+      cudaGetLastError();
+      parts = -1;
+    }
+    return ffi::Error::Success();
+  });
+  return err.failure() ? -1 : parts;
+}
+#endif
 }  // namespace jax_ops::norm
 
 namespace ffi = xla::ffi;

@@ -1,5 +1,6 @@
 // The nanobind extension jax_ops._ffi: hands XLA FFI handler capsules to Python.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include "ffi/handlers.h"
 
 namespace nb = nanobind;
@@ -45,6 +46,15 @@ NB_MODULE(_ffi, m) {
     return out;
   });
 #ifdef JAX_OPS_WITH_CUDA
+  // The LayerNorm/RMSNorm backward's workspace rows on the current device (lowering).
+  m.def("norm_bwd_partial_rows",
+        [](const std::string& x_dtype, const std::string& param_dtype, int64_t rows, int64_t cols, bool rms,
+           bool add, bool dscale, bool dbias) {
+          return jax_ops::norm::bwd_partial_rows(x_dtype.c_str(), param_dtype.c_str(), rows, cols, rms, add,
+                                                 dscale, dbias);
+        },
+        nb::arg("x_dtype"), nb::arg("param_dtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("rms"),
+        nb::arg("add"), nb::arg("dscale"), nb::arg("dbias"));
   m.attr("with_cuda") = true;
 #else
   m.attr("with_cuda") = false;

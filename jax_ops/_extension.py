@@ -1,6 +1,7 @@
 """Loads the compiled FFI extension (jax_ops._ffi) and registers its handlers with XLA."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -49,3 +50,17 @@ def has_target(platform: str, target: str) -> bool:
 
 
 _register()
+
+
+@functools.lru_cache(maxsize=None)
+def norm_bwd_partial_rows(x_dtype: str, param_dtype: str, rows: int, cols: int, *, rms: bool, add: bool,
+                          dscale: bool, dbias: bool) -> int | None:
+    """Rows of the CUDA LayerNorm/RMSNorm backward's [2, P, cols] partial-sum workspace
+    on the current GPU: the grid its launchers would use (resident blocks), asked of
+    the extension at lowering time. rows < 0: not known yet (symbolic). None when the
+    extension has no CUDA kernels or no GPU answers."""
+    fn = getattr(_ffi, "norm_bwd_partial_rows", None)
+    if fn is None:
+        return None
+    n = fn(x_dtype, param_dtype, rows, cols, rms, add, dscale, dbias)
+    return None if n < 0 else int(n)

@@ -209,6 +209,15 @@ def _bwd_kernel(*refs, rows, cols, block_rows, blocks_per_program, rms, has_scal
         jax.lax.fori_loop(0, blocks_per_program, block, 0)
 
 
+def bwd_programs(rows: int, cols: int, config: dict | None = None) -> int:
+    """Programs of the backward when it keeps dscale/dbias partials: the rows of its
+    [2, P, cols] workspace (each program walks a contiguous range of row blocks)."""
+    cfg = config or default_config(rows, cols, "bwd")
+    n_blocks = max(1, pl.cdiv(rows, cfg["block_rows"]))
+    programs = max(1, min(cfg["programs"], n_blocks))
+    return pl.cdiv(n_blocks, pl.cdiv(n_blocks, programs))
+
+
 def norm_bwd(dy, x, mean, rstd, scale, *, rms: bool, work_shape: tuple[int, ...], dh=None,
              config: dict | None = None, interpret: bool = False):
     """dy, x: (rows, cols); mean (LayerNorm only), rstd: (rows,) float32; scale: (cols,) or None;

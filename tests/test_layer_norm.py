@@ -17,6 +17,7 @@ and only the scale of the cancelled terms is a meaningful yardstick.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import zlib
 
@@ -177,7 +178,10 @@ class Case:
 
 SHAPES = [(), (1,), (3,), (2, 5)]          # leading (row) shapes, cycled over the cases
 HEAVY_SHAPES = [(), (1,), (3,)]            # few rows at 65536 columns
-COLS = [1, 2, 3, 31, 32, 33, 127, 128, 129, 1000, 1024, 1025, 4096, 5000, HEAVY_COLS]
+# 8200-65536: the sm_90 cluster tier (forward rows over 16 KiB, backward rows over 8192);
+# 24577 is odd (unvectorized packs).
+COLS = [1, 2, 3, 31, 32, 33, 127, 128, 129, 1000, 1024, 1025, 4096, 5000, 8200, 16384, 24577, 32768,
+        HEAVY_COLS]
 # (scale, bias) dtype: "f32", "x" (x's dtype) or None (absent); cycled over the cases.
 PARAM_VARIANTS = {
     "layer_norm": [(None, None), ("f32", "f32"), ("x", "x"), ("f32", None), (None, "x")],
@@ -191,14 +195,14 @@ def _matrix():
     for op in OPS:
         variants = PARAM_VARIANTS[op]
         for i, (dtype, cols) in enumerate((d, c) for d in DTYPES for c in COLS):
-            shapes = HEAVY_SHAPES if cols == HEAVY_COLS else SHAPES
+            shapes = HEAVY_SHAPES if cols >= 16384 else SHAPES
             lead = shapes[i % len(shapes)]
             sv, bv = variants[i % len(variants)]
             sdt = {"f32": "float32", "x": dtype, None: None}[sv]
             bdt = {"f32": "float32", "x": dtype, None: None}[bv]
             shape = lead + (cols,)
             cid = f"{op}-{dtype}-{'x'.join(map(str, shape))}-scale_{sdt}-bias_{bdt}"
-            marks = [pytest.mark.heavy] if cols == HEAVY_COLS else []
+            marks = [pytest.mark.heavy] if cols >= 16384 else []
             params.append(pytest.param(Case(op, dtype, shape, sdt, bdt, seed_of(cid)), id=cid, marks=marks))
     return params
 
@@ -284,6 +288,25 @@ def test_matches_reference(case, impl):
     y, grads = run(x, scale, bias, dy)
     tol = TOL_HEAVY_F32 if (case.dtype == "float32" and case.shape[-1] == HEAVY_COLS) else None
     check_against_reference(case.op, x, scale, bias, dy, y, grads, tol=tol)
+
+
+# More rows than a GPU runs blocks (or clusters) at once, so each walks several rows:
+# on sm_90 the cluster tier's exchange slots alternate row by row.
+MANY_LONG_ROWS = [((300, 8200), "bfloat16"), ((263, 16384), "bfloat16"), ((97, 24577), "float32"),
+                  ((70, 32768), "float16"), ((40, 65536), "bfloat16"), ((33, 70000), "float32")]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape,dtype", MANY_LONG_ROWS, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_many_long_rows(op, shape, dtype):
+    need("cuda")
+    x, scale, bias, dy = make_inputs(seed_of(f"{op}{shape}{dtype}"), shape, dtype, "float32",
+                                     "float32" if op == "layer_norm" else None)
+    run = fwd_bwd_fn(op, "cuda")
+    jax.block_until_ready(run(jnp.full_like(x, jnp.nan), scale, bias, jnp.full_like(dy, jnp.nan)))
+    y, grads = run(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y, grads, tol=TOL_HEAVY_F32 if dtype == "float32" else None)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -875,3 +898,40 @@ def test_reverse_mode_runs_the_backward_kernel(op):
     assert "tangent" not in jaxpr
     jvp_jaxpr = str(jax.make_jaxpr(lambda x, t: jax.jvp(lambda x: norm(op, x, s), (x,), (t,)))(x, x))
     assert "jax_ops_norm_fwd_tangent" in jvp_jaxpr and "jax_ops_norm_bwd" not in jvp_jaxpr
+
+
+# ------------------------------------------------------------- workspace ---
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape,dtype", [((8192, 4096), "bfloat16"), ((49152, 768), "bfloat16"),
+                                         ((4096, 1024), "float32"), ((2048, 16384), "bfloat16"),
+                                         ((512, 65536), "float16")])
+def test_vjp_temporary_memory_within_autodiff(op, shape, dtype):
+    """A lone op's jitted forward + backward (vjp with a given dy) needs no more temporary
+    memory than JAX's autodiff of the same norm written in jnp: the CUDA backward's
+    dscale/dbias workspace holds the grid's partial rows only (GPU: its resident
+    blocks; CPU: one row, the host handlers keep no partials)."""
+    need("cuda")
+    rms = op == "rms_norm"
+
+    def plain(x, s, b):  # what flax.linen.LayerNorm / RMSNorm compute
+        xf = x.astype(jnp.float32)
+        mean = 0.0 if rms else jnp.mean(xf, -1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + DEFAULT_EPS[op]) * s
+        return (y if rms else y + b).astype(x.dtype)
+
+    def ours(x, s, b):
+        return norm(op, x, s, None if rms else b, impl="cuda")
+
+    def temp(f):
+        vjp = jax.jit(lambda x, s, b, dy: jax.vjp(f, x, s, b)[1](dy))
+        args = [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape[-1:], jnp.float32),
+                jax.ShapeDtypeStruct(shape[-1:], jnp.float32), jax.ShapeDtypeStruct(shape, dtype)]
+        return vjp.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    t_ours, t_plain = temp(ours), temp(plain)
+    assert t_ours <= t_plain, f"temporary bytes: ours {t_ours}, jnp autodiff {t_plain}"
+    if PLATFORM == "cpu":  # [2, 1, cols] float32 workspace, plus the per-row statistics
+        rows = math.prod(shape[:-1])
+        assert t_ours <= 8 * shape[-1] + 8 * rows + 4096

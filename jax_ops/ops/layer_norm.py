@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import core
 
+from jax_ops import _extension
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.validate import check_epsilon, check_vectors, check_x
@@ -189,20 +190,33 @@ def _bwd_local(layout, mesh, dy, dh, x, mean, rstd, scale, *, implementation, **
 
 # --------------------------------------------------------------- backward ---
 
-def workspace_shape(x_shape, want_param_grads: bool) -> tuple[int, ...]:
-    """[2, P, cols] float32 partials (the CUDA and Pallas backward); at most P blocks.
-
-    Only the P' <= P rows its grid uses are written and read, so a generous P costs
-    memory, not traffic: up to 4096 blocks, at most 128 MiB. With a symbolic row count
-    (jax.export) P is bounded by cols alone, so the workspace shape stays static."""
-    if not want_param_grads:
-        return (0,)
-    cols = x_shape[-1]
+def _static_rows(x_shape):
+    """The row count, or -1 while it is symbolic (jax.export)."""
     rows = math.prod(x_shape[:-1])
-    p = min(4096, (128 << 20) // (8 * cols))
-    if isinstance(rows, int):
-        p = min(p, rows)
-    return (2, max(1, p), cols)
+    return rows if isinstance(rows, int) else -1
+
+
+def cuda_workspace_rows(x_shape, x_dtype, param_dtype, *, rms, add, dscale, dbias,
+                        platform="cuda") -> int:
+    """Rows P of the CUDA backward's [2, P, cols] float32 dscale/dbias partials.
+
+    On a GPU: the grid the backward launches there (its resident blocks or clusters),
+    asked of the extension's launchers at lowering, so the workspace holds exactly the
+    partial rows written (a few MiB: e.g. 132-264 rows at 4096 columns). When no GPU
+    answers (exported for CUDA from a CPU machine): a bound, up to 4096 rows and
+    128 MiB; the kernels cap their grid at P either way. The CPU handlers sum in
+    float64 and use no partials: 1 row."""
+    cols = x_shape[-1]
+    if platform != "cuda":
+        return 1
+    rows = _static_rows(x_shape)
+    n = _extension.norm_bwd_partial_rows(jnp.dtype(x_dtype).name, jnp.dtype(param_dtype).name, rows,
+                                         cols, rms=rms, add=add, dscale=dscale, dbias=dbias)
+    if n is None:
+        n = min(4096, (128 << 20) // (8 * cols))
+        if rows >= 0:
+            n = min(n, rows)
+    return max(1, n)
 
 
 def _bwd_abstract(dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
@@ -292,7 +306,10 @@ def _pallas_fwd(call, x, residual, scale, bias, *, epsilon, rms, with_stats):
 
 def _pallas_bwd(call, dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_dtype):
     rows, cols = _rows_cols(x.shape)
-    ws = workspace_shape(x.shape, bool(dscale_dtype or dbias_dtype))
+    # [2, P, cols] float32 partials, P = the programs that write them.
+    ws = ((2, pallas_norm.bwd_programs(rows, cols, call.config) if isinstance(rows, int)
+           else pallas_norm.default_config(1, cols, "bwd")["programs"], cols)
+          if (dscale_dtype or dbias_dtype) else (0,))
     dx, dscale, dbias, _ = pallas_norm.norm_bwd(
         dy.reshape(rows, cols), x.reshape(rows, cols), None if rms else mean.reshape(rows),
         rstd.reshape(rows), scale, rms=rms, work_shape=ws,
@@ -303,8 +320,15 @@ def _pallas_bwd(call, dy, dh, x, mean, rstd, scale, *, rms, dscale_dtype, dbias_
 
 
 def _workspace(call, operands, params):
-    x = operands[2]
-    return core.ShapedArray(workspace_shape(x.shape, bool(params["dscale_dtype"] or params["dbias_dtype"])), _F32)
+    dy, dh, x, mean, rstd, scale = operands
+    dscale, dbias = params["dscale_dtype"], params["dbias_dtype"]
+    if not (dscale or dbias):
+        return core.ShapedArray((0,), _F32)
+    # The handlers' parameter dtype: scale's, else dbias's, else float32.
+    pdtype = scale.dtype if scale is not None else (dbias or _F32)
+    p = cuda_workspace_rows(x.shape, x.dtype, pdtype, rms=params["rms"], add=dh is not None,
+                            dscale=bool(dscale), dbias=bool(dbias), platform=call.platform)
+    return core.ShapedArray((2, p, x.shape[-1]), _F32)
 
 
 def _pallas_configs(q):

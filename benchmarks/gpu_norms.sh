@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call (issue 20): the norm tests (cluster tier included), compute-sanitizer on
+# long rows, the long-row sweep with the sm_90 cluster tier and without it (knobs), the
+# workspace / temporary-memory report. Usage: bash benchmarks/gpu_norms.sh [stages]
+# stages: a comma list of tests,sanitize,sweep,variants,addnorm,workspace (default all).
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-tests,sanitize,sweep,variants,addnorm,workspace}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+python3 -c "import jax, jax_ops; print('jax', jax.__version__, jax.devices(), 'with_cuda', jax_ops.with_cuda())" | tee -a "$OUT/env.txt"
+B="python3 -m jax_ops.bench --repeats 3"
+if has tests; then
+  t0=$SECONDS
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n ${TEST_WORKERS:-12} -p no:cacheprovider --durations=5 \
+    tests/test_layer_norm.py tests/test_add_norm.py 2>&1 | tee "$OUT/tests_norms.txt" | tail -8
+  echo "tests: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      8200,16384,24577,65536 > "$OUT/sanitize_$tool.txt" 2>&1; echo "$tool rc $?" | tee -a "$OUT/env.txt"
+    tail -3 "$OUT/sanitize_$tool.txt"
+  done
+fi
+if has sweep; then  # the default build: clusters from 8193 columns (bf16)
+  timeout 200 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,flax --mode fwd,fwd_bwd \
+    --cols 4096,8192,16384,32768,65536 --json "$OUT/sweep_long.json" > "$OUT/sweep_long.txt" 2>&1
+  tail -40 "$OUT/sweep_long.txt"
+fi
+if has variants; then  # the same kernels with the cluster tier off, and on from 2048 columns
+  JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=0 JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS=0 timeout 120 $B --op layer_norm,rms_norm \
+    --dtype bf16 --impl cuda --mode fwd,fwd_bwd --cols 16384,32768,65536 > "$OUT/variant_no_clusters.txt" 2>&1
+  JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=4096 JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS=2048 timeout 100 $B --op layer_norm \
+    --dtype bf16 --impl cuda --mode fwd,fwd_bwd --cols 2048,4096,8192 > "$OUT/variant_clusters_from_2048.txt" 2>&1
+  JAX_OPS_NORM_FWD_CLUSTER_THREADS=128 JAX_OPS_NORM_FWD_CLUSTER_PACKS=4 JAX_OPS_NORM_BWD_CLUSTER_THREADS=256 \
+    timeout 100 $B --op layer_norm --dtype bf16 --impl cuda --mode fwd,fwd_bwd --cols 16384,32768,65536 \
+    > "$OUT/variant_small_blocks.txt" 2>&1
+  for f in "$OUT"/variant_*.txt; do echo "== $f"; grep -E "^\s*(layer_norm|rms_norm|op|cols)|cuda" "$f" | tail -14; done
+fi
+if has addnorm; then
+  timeout 150 $B --op add_layer_norm,add_rms_norm --dtype bf16 --impl cuda,flax --mode fwd,fwd_bwd \
+    --cols 768,1024,4096,8192,16384 --json "$OUT/sweep_add_norm.json" > "$OUT/sweep_add_norm.txt" 2>&1
+  tail -30 "$OUT/sweep_add_norm.txt"
+fi
+if has workspace; then
+  timeout 120 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" 2>&1 | tee "$OUT/workspace.txt"
+fi
