@@ -22,20 +22,26 @@ if has sanitize; then
     tail -3 "$OUT/sanitize_$tool.txt"
   done
 fi
-if has sweep; then  # the default build: clusters from 8193 columns (bf16)
-  timeout 200 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,flax --mode fwd,fwd_bwd \
-    --cols 4096,8192,16384,32768,65536 --json "$OUT/sweep_long.json" > "$OUT/sweep_long.txt" 2>&1
-  tail -40 "$OUT/sweep_long.txt"
+if has sweep; then  # the default build: clusters from 8193 columns (bf16); 65536 at fewer rows (memory)
+  timeout 150 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,flax --mode fwd,bwd,fwd_bwd \
+    --cols 4096,8192,16384,32768 --json "$OUT/sweep_long.json" > "$OUT/sweep_long.txt" 2>&1
+  timeout 60 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,flax --mode fwd,bwd,fwd_bwd --rows 12288 \
+    --cols 65536 --json "$OUT/sweep_65536.json" > "$OUT/sweep_65536.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/sweep_long.txt" "$OUT/sweep_65536.txt"
 fi
-if has variants; then  # the same kernels with the cluster tier off, and on from 2048 columns
-  JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=0 JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS=0 timeout 120 $B --op layer_norm,rms_norm \
-    --dtype bf16 --impl cuda --mode fwd,fwd_bwd --cols 16384,32768,65536 > "$OUT/variant_no_clusters.txt" 2>&1
-  JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=4096 JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS=2048 timeout 100 $B --op layer_norm \
-    --dtype bf16 --impl cuda --mode fwd,fwd_bwd --cols 2048,4096,8192 > "$OUT/variant_clusters_from_2048.txt" 2>&1
-  JAX_OPS_NORM_FWD_CLUSTER_THREADS=128 JAX_OPS_NORM_FWD_CLUSTER_PACKS=4 JAX_OPS_NORM_BWD_CLUSTER_THREADS=256 \
-    timeout 100 $B --op layer_norm --dtype bf16 --impl cuda --mode fwd,fwd_bwd --cols 16384,32768,65536 \
-    > "$OUT/variant_small_blocks.txt" 2>&1
-  for f in "$OUT"/variant_*.txt; do echo "== $f"; grep -E "^\s*(layer_norm|rms_norm|op|cols)|cuda" "$f" | tail -14; done
+if has variants; then  # knobs: the cluster tier off; other block shapes (bf16)
+  V="$B --dtype bf16 --impl cuda"
+  JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=0 JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS=0 timeout 80 $V --op layer_norm,rms_norm \
+    --mode fwd,bwd --cols 16384,32768 > "$OUT/variant_no_clusters.txt" 2>&1
+  JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=8192 JAX_OPS_NORM_BWD_CLUSTER_MIN_COLS=4096 timeout 60 $V --op layer_norm \
+    --mode fwd,bwd --cols 4096,8192 > "$OUT/variant_clusters_from_4096.txt" 2>&1
+  for tp in 128,4 256,8 512,2 512,4; do
+    JAX_OPS_NORM_FWD_CLUSTER_THREADS=${tp%,*} JAX_OPS_NORM_FWD_CLUSTER_PACKS=${tp#*,} timeout 50 $V --op layer_norm \
+      --mode fwd --cols 16384,32768 > "$OUT/variant_fwd_${tp/,/x}.txt" 2>&1
+  done
+  JAX_OPS_NORM_BWD_CLUSTER_THREADS=256 timeout 50 $V --op layer_norm --mode bwd --cols 16384,32768 \
+    > "$OUT/variant_bwd_256.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT"/variant_*.txt
 fi
 if has addnorm; then
   timeout 150 $B --op add_layer_norm,add_rms_norm --dtype bf16 --impl cuda,flax --mode fwd,fwd_bwd \

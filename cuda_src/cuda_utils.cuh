@@ -196,6 +196,7 @@ bool clusters_supported(Kernel kernel) {
     cudaGetLastError();
     return false;
   }
+  cudaGetLastError();
   return major >= 9 && fa.binaryVersion >= 90;
 }
 
@@ -223,6 +224,7 @@ cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t 
   const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, 1, nullptr);
   int resident = 0;
   const cudaError_t err = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+  cudaGetLastError();  // the query's own error is returned, not left for a later check
   if (err != cudaSuccess) return err;
   if (resident < 1) return cudaErrorInvalidConfiguration;
   *clusters = work_clusters < 1 ? 1 : (work_clusters < resident ? work_clusters : resident);

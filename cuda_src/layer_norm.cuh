@@ -377,13 +377,26 @@ __global__ void __launch_bounds__((K >= 8 || CLUSTER) ? 512 : 1024) fwd_block_re
   T* y = static_cast<T*>(a.y);
   const RowSplit sp = row_split<CLUSTER>();
   const int64_t tid = sp.thread(), span = sp.threads();
-  int parity = 0;
-  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
-    PackT raw[K];
+  const auto load_row = [&](int64_t row, PackT (&raw)[K]) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = tid + int64_t(k) * span;
       if (v < nvec) load((row * nvec + v) * PACK, raw[k]);
+    }
+  };
+  // The cluster tier loads the block's next row before it reduces this one: its
+  // loads are in flight across the cluster barrier (a block holds few packs a row).
+  PackT next[K];
+  if (CLUSTER && sp.first_row < a.rows) load_row(sp.first_row, next);
+  int parity = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
+    PackT raw[K];
+    if constexpr (CLUSTER) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) raw[k] = next[k];
+      if (row + sp.step < a.rows) load_row(row + sp.step, next);
+    } else {
+      load_row(row, raw);
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
     // thread in the block reduction.
@@ -847,7 +860,7 @@ template <typename T, typename P, int PACK, typename L>
 bool fwd_cluster_shape(const FwdAddArgs& a, ClusterShape* shape) {
   static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 16 * 1024 + 1);
   static const int threads = env_knob("JAX_OPS_NORM_FWD_CLUSTER_THREADS", 256);
-  static const int k = env_knob("JAX_OPS_NORM_FWD_CLUSTER_PACKS", 2);
+  static const int k = env_knob("JAX_OPS_NORM_FWD_CLUSTER_PACKS", 4);
   if (min_bytes <= 0 || a.cols * int64_t(sizeof(T)) < min_bytes) return false;
   if (!clusters_supported(fwd_block_regs_kernel<T, P, PACK, 1, L, true>)) return false;
   const int64_t nvec = a.cols / PACK;

@@ -931,7 +931,16 @@ def test_vjp_temporary_memory_within_autodiff(op, shape, dtype):
         return vjp.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
     t_ours, t_plain = temp(ours), temp(plain)
-    assert t_ours <= t_plain, f"temporary bytes: ours {t_ours}, jnp autodiff {t_plain}"
+    rows, cols = math.prod(shape[:-1]), shape[-1]
     if PLATFORM == "cpu":  # [2, 1, cols] float32 workspace, plus the per-row statistics
-        rows = math.prod(shape[:-1])
-        assert t_ours <= 8 * shape[-1] + 8 * rows + 4096
+        assert t_ours <= t_plain, f"temporary bytes: ours {t_ours}, jnp autodiff {t_plain}"
+        assert t_ours <= 8 * cols + 8 * rows + 4096
+    else:
+        # The partials of the resident blocks: a few MiB, not the rows' size (it was up
+        # to 128 MiB). Beside them, no more than autodiff. (Autodiff's own column sums
+        # keep fewer partial rows: at 768-4096 and 65536 columns the total is above it
+        # by at most the workspace; docs/perf-notes.md.)
+        ws = jax_ops._extension.norm_bwd_partial_rows(
+            jnp.dtype(dtype).name, "float32", rows, cols, rms=rms, add=False, dscale=True, dbias=not rms)
+        assert ws is not None and 2 * ws * cols * 4 <= 9 << 20, ws
+        assert t_ours - 2 * ws * cols * 4 <= t_plain, f"temporary bytes: ours {t_ours} ({ws} partial rows), jnp autodiff {t_plain}"
