@@ -16,15 +16,15 @@ if has tests; then
   echo "tests: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
 fi
 if has sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZERS:-memcheck}; do
     timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
-      8200,16384,24577,65536 > "$OUT/sanitize_$tool.txt" 2>&1; echo "$tool rc $?" | tee -a "$OUT/env.txt"
+      8200,16384,24577,65536,70000 > "$OUT/sanitize_$tool.txt" 2>&1; echo "$tool rc $?" | tee -a "$OUT/env.txt"
     tail -3 "$OUT/sanitize_$tool.txt"
   done
 fi
 if has sweep; then  # the default build: clusters from 8193 columns (bf16); 65536 at fewer rows (memory)
-  timeout 150 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,flax --mode fwd,bwd,fwd_bwd \
-    --cols 4096,8192,16384,32768 --json "$OUT/sweep_long.json" > "$OUT/sweep_long.txt" 2>&1
+  timeout 200 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,xla,auto,flax --mode fwd,bwd,fwd_bwd \
+    --cols 8192,16384,32768 --json "$OUT/sweep_long.json" > "$OUT/sweep_long.txt" 2>&1
   timeout 60 $B --op layer_norm,rms_norm --dtype bf16 --impl cuda,flax --mode fwd,bwd,fwd_bwd --rows 12288 \
     --cols 65536 --json "$OUT/sweep_65536.json" > "$OUT/sweep_65536.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/sweep_long.txt" "$OUT/sweep_65536.txt"
@@ -44,9 +44,9 @@ if has variants; then  # knobs: the cluster tier off; other block shapes (bf16)
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT"/variant_*.txt
 fi
 if has addnorm; then
-  timeout 150 $B --op add_layer_norm,add_rms_norm --dtype bf16 --impl cuda,flax --mode fwd,fwd_bwd \
-    --cols 768,1024,4096,8192,16384 --json "$OUT/sweep_add_norm.json" > "$OUT/sweep_add_norm.txt" 2>&1
-  tail -30 "$OUT/sweep_add_norm.txt"
+  timeout 120 $B --op add_layer_norm,add_rms_norm --dtype bf16 --impl cuda,auto,flax --mode fwd,fwd_bwd \
+    --cols 1024,4096,16384 --json "$OUT/sweep_add_norm.json" > "$OUT/sweep_add_norm.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/sweep_add_norm.txt"
 fi
 if has workspace; then
   timeout 120 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" 2>&1 | tee "$OUT/workspace.txt"

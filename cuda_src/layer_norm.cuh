@@ -11,6 +11,9 @@
 //   cols <= 1024 : group per row, x and dy in registers, per-column dscale/dbias
 //                  partials in registers, summed per block through shared memory.
 //   cols <= 8192 : block per row, row and partials in registers.
+//   larger, sm_90: the same kernel with each row split over a thread-block cluster
+//                  of 2-8 blocks (row sums exchanged through distributed shared
+//                  memory), up to 8 values a thread: rows of up to 65536 (bf16).
 //   larger       : block per row for dx (x, dy cached in shared memory or read
 //                  twice) and a column-tiled kernel for the dscale/dbias partials.
 // Partials are [partial_rows, cols] float32 and summed by a second kernel in a
@@ -116,10 +119,10 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 }
 
 // ------------------------------------------- rows split over a cluster (sm_90) ---
-// Rows longer than one block holds in registers are split over the blocks of a
-// thread-block cluster: each block keeps its column slice in registers (the backward
-// also its dscale/dbias partials, across all of its rows), and the row reductions
-// are exchanged through distributed shared memory. One cluster barrier per row:
+// Backward rows longer than one block holds in registers are split over the blocks
+// of a thread-block cluster: each block keeps its column slice and its dscale/dbias
+// partials (across all of its rows) in registers, and the row sums are exchanged
+// through distributed shared memory. One cluster barrier per row:
 // each block publishes its block-level partial in the slot of the row's parity, so
 // a block already on the next row writes the other slot; every block merges the
 // partials of ranks 0..size-1 in the same fixed tree, so all get bitwise equal
@@ -143,28 +146,6 @@ __device__ __forceinline__ RowSplit row_split() {
     return {cluster_rank(), size, int64_t(blockIdx.x) / size, int64_t(gridDim.x) / size};
   } else {
     return {0, 1, int64_t(blockIdx.x), int64_t(gridDim.x)};
-  }
-}
-
-// Row statistics from every thread's accumulator, over the block or the cluster.
-template <bool CLUSTER>
-__device__ __forceinline__ RowStats row_stats(NormAcc acc, int64_t cols, float eps, bool rms, int parity) {
-  if constexpr (!CLUSTER) {
-    return block_stats(acc, cols, eps, rms);
-  } else {
-    __shared__ float part[2][3];
-    const NormAcc w = block_merge(acc, rms);
-    if (threadIdx.x == 0) { part[parity][0] = w.mean; part[parity][1] = w.m2; part[parity][2] = w.count; }
-    cluster_sync();
-    // Lane j of each group of 8 reads rank j's partial (count 0 beyond the cluster).
-    NormAcc c;
-    const int r = int(threadIdx.x % kMaxClusterBlocks);
-    if (r < cluster_size()) {
-      const float* p = cluster_map(&part[parity][0], r);
-      c.mean = p[0]; c.m2 = p[1]; c.count = p[2];
-    }
-    c = group_merge<kMaxClusterBlocks>(c, rms);
-    return finish_stats(c, cols, eps, rms);
   }
 }
 
@@ -367,36 +348,22 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   }
 }
 
-// Block (or cluster) per row, each thread holding K packs of the row in registers:
-// no shared memory round trip, and all K loads of a thread are in flight at once.
-template <typename T, typename P, int PACK, int K, typename L, bool CLUSTER = false>
-__global__ void __launch_bounds__((K >= 8 || CLUSTER) ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
+// Block per row, each thread holding K packs of the row in registers: no shared
+// memory round trip, and all K loads of a thread are in flight at once. (A cluster
+// version of this tier, the row split over 2-8 blocks, measured 1.5-2x slower on the
+// H100 at 16384-32768 columns: docs/perf-notes.md.)
+template <typename T, typename P, int PACK, int K, typename L>
+__global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
   const L load(a);
   T* y = static_cast<T*>(a.y);
-  const RowSplit sp = row_split<CLUSTER>();
-  const int64_t tid = sp.thread(), span = sp.threads();
-  const auto load_row = [&](int64_t row, PackT (&raw)[K]) {
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    PackT raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t v = tid + int64_t(k) * span;
+      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
       if (v < nvec) load((row * nvec + v) * PACK, raw[k]);
-    }
-  };
-  // The cluster tier loads the block's next row before it reduces this one: its
-  // loads are in flight across the cluster barrier (a block holds few packs a row).
-  PackT next[K];
-  if (CLUSTER && sp.first_row < a.rows) load_row(sp.first_row, next);
-  int parity = 0;
-  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
-    PackT raw[K];
-    if constexpr (CLUSTER) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) raw[k] = next[k];
-      if (row + sp.step < a.rows) load_row(row + sp.step, next);
-    } else {
-      load_row(row, raw);
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
     // thread in the block reduction.
@@ -404,7 +371,7 @@ __global__ void __launch_bounds__((K >= 8 || CLUSTER) ? 512 : 1024) fwd_block_re
     float s = 0.f, q = 0.f, cnt = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (tid + int64_t(k) * span < nvec) {
+      if (threadIdx.x + int64_t(k) * blockDim.x < nvec) {
         cnt += float(PACK);
 #pragma unroll
         for (int j = 0; j < PACK; ++j) s += to_float(raw[k].v[j]);
@@ -412,17 +379,17 @@ __global__ void __launch_bounds__((K >= 8 || CLUSTER) ? 512 : 1024) fwd_block_re
     const float local_mean = (a.rms || cnt == 0.f) ? 0.f : s / cnt;
 #pragma unroll
     for (int k = 0; k < K; ++k)
-      if (tid + int64_t(k) * span < nvec)
+      if (threadIdx.x + int64_t(k) * blockDim.x < nvec)
 #pragma unroll
         for (int j = 0; j < PACK; ++j) {
           const float d = to_float(raw[k].v[j]) - local_mean;
           q += d * d;
         }
     acc.mean = local_mean; acc.m2 = q; acc.count = cnt;
-    const RowStats st = row_stats<CLUSTER>(acc, a.cols, a.eps, a.rms, parity);
+    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t v = tid + int64_t(k) * span;
+      const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
       if (v >= nvec) continue;
       float sc[PACK], bi[PACK], out[PACK];
       load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
@@ -431,12 +398,11 @@ __global__ void __launch_bounds__((K >= 8 || CLUSTER) ? 512 : 1024) fwd_block_re
       for (int j = 0; j < PACK; ++j) out[j] = norm_out(to_float(raw[k].v[j]), st, sc[j], bi[j]);
       store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
     }
-    if (tid == 0 && a.rstd != nullptr) {
+    if (threadIdx.x == 0 && a.rstd != nullptr) {
       if (a.mean != nullptr) a.mean[row] = st.mean;
       a.rstd[row] = st.rstd;
     }
   }
-  row_split_exit<CLUSTER>();
 }
 
 template <typename T, typename P, int PACK, bool CACHE, typename L>
@@ -830,59 +796,20 @@ cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
   }
 }
 
-// Cluster tier (sm_90): a row of nvec packs split over cs blocks (a power of two
-// up to 8) of `threads`, K packs a thread. The knobs (threads a block, packs a
-// thread) let the benchmarks measure other shapes without a rebuild.
+// Cluster tier of the backward (sm_90): a row of nvec packs split over cs blocks (a
+// power of two up to 8) of `threads`, k packs a thread.
 struct ClusterShape { int cs, threads, k; };
 
-inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k_target, int k_max) {
-  // The fewest blocks with <= max_threads threads of k_target packs; then more packs a
-  // thread when 8 blocks are not enough; threads trimmed to what the row needs.
-  int k = k_target, cs = 1;
+inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k) {
+  // The fewest blocks of <= max_threads threads; threads trimmed to what the row needs.
+  int cs = 1;
   while (cs < kMaxClusterBlocks && nvec > int64_t(cs) * max_threads * k) cs *= 2;
-  while (k < k_max && nvec > int64_t(cs) * max_threads * k) k *= 2;
   const int64_t per_block = (nvec + int64_t(cs) * k - 1) / (int64_t(cs) * k);
   return {cs, int((per_block + 31) / 32 * 32), k};
 }
 
-template <typename T, typename P, int PACK, int K, typename L>
-cudaError_t launch_fwd_cluster_k(const FwdAddArgs& a, const ClusterShape& shape, cudaStream_t stream) {
-  auto kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
-  int64_t clusters = 0;
-  const cudaError_t err = cluster_grid(kernel, shape.cs, shape.threads, a.rows, &clusters);
-  if (err != cudaSuccess) return err;
-  return launch_clusters(kernel, shape.cs, shape.threads, clusters, stream, static_cast<const typename L::Args&>(a));
-}
-
-// Whether the forward takes the cluster tier, and with which shape; false keeps the
-// single-block tiers (pre-Hopper, rows below the threshold, or rows too long).
-template <typename T, typename P, int PACK, typename L>
-bool fwd_cluster_shape(const FwdAddArgs& a, ClusterShape* shape) {
-  static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 16 * 1024 + 1);
-  static const int threads = env_knob("JAX_OPS_NORM_FWD_CLUSTER_THREADS", 256);
-  static const int k = env_knob("JAX_OPS_NORM_FWD_CLUSTER_PACKS", 4);
-  if (min_bytes <= 0 || a.cols * int64_t(sizeof(T)) < min_bytes) return false;
-  if (!clusters_supported(fwd_block_regs_kernel<T, P, PACK, 1, L, true>)) return false;
-  const int64_t nvec = a.cols / PACK;
-  *shape = cluster_shape(nvec, threads, k < 1 ? 1 : (k > 8 ? 8 : k), 8);
-  return shape->threads <= 512 && int64_t(shape->cs) * shape->threads * shape->k >= nvec;
-}
-
-template <typename T, typename P, int PACK, typename L>
-cudaError_t launch_fwd_cluster(const FwdAddArgs& a, const ClusterShape& shape, cudaStream_t stream) {
-  switch (shape.k) {
-    case 1: return launch_fwd_cluster_k<T, P, PACK, 1, L>(a, shape, stream);
-    case 2: return launch_fwd_cluster_k<T, P, PACK, 2, L>(a, shape, stream);
-    case 4: return launch_fwd_cluster_k<T, P, PACK, 4, L>(a, shape, stream);
-    default: return launch_fwd_cluster_k<T, P, PACK, 8, L>(a, shape, stream);
-  }
-}
-
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
-  ClusterShape shape;
-  if (a.cols > fwd_regs_max_cols<T, PACK>() && fwd_cluster_shape<T, P, PACK, L>(a, &shape))
-    return launch_fwd_cluster<T, P, PACK, L>(a, shape, stream);
   if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
   if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK, L>(a, stream);
   return launch_fwd_block<T, P, PACK, L>(a, stream);
@@ -1018,8 +945,8 @@ bool bwd_cluster_shape(const BwdAddArgs& a, ClusterShape* shape) {
   const int64_t nvec = a.cols / PACK;
   // Blocks of `threads` first; when 8 of them are too few, blocks of up to 1024.
   for (const int t : {threads < 32 ? 32 : (threads > 1024 ? 1024 : threads), 1024}) {
-    *shape = cluster_shape(nvec, t, K, K);
-    if (int64_t(shape->cs) * shape->threads * K >= nvec) return true;
+    *shape = cluster_shape(nvec, t, K);
+    if (shape->threads <= t && int64_t(shape->cs) * shape->threads * K >= nvec) return true;
   }
   return false;
 }

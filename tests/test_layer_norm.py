@@ -937,10 +937,12 @@ def test_vjp_temporary_memory_within_autodiff(op, shape, dtype):
         assert t_ours <= 8 * cols + 8 * rows + 4096
     else:
         # The partials of the resident blocks: a few MiB, not the rows' size (it was up
-        # to 128 MiB). Beside them, no more than autodiff. (Autodiff's own column sums
-        # keep fewer partial rows: at 768-4096 and 65536 columns the total is above it
-        # by at most the workspace; docs/perf-notes.md.)
+        # to 128 MiB). (Autodiff's own column sums keep fewer partial rows: at 768-4096
+        # and 65536 columns our total is above its by about the workspace;
+        # docs/perf-notes.md.)
         ws = jax_ops._extension.norm_bwd_partial_rows(
             jnp.dtype(dtype).name, "float32", rows, cols, rms=rms, add=False, dscale=True, dbias=not rms)
         assert ws is not None and 2 * ws * cols * 4 <= 9 << 20, ws
-        assert t_ours - 2 * ws * cols * 4 <= t_plain, f"temporary bytes: ours {t_ours} ({ws} partial rows), jnp autodiff {t_plain}"
+        # Beside them only the saved float32 statistics (autodiff may recompute its own).
+        assert t_ours - 2 * ws * cols * 4 - 8 * rows <= t_plain, \
+            f"temporary bytes: ours {t_ours} ({ws} partial rows), jnp autodiff {t_plain}"
