@@ -548,14 +548,51 @@ def default_chunk_rows(rows: int, vocab: int, itemsize: int) -> int:
     return -(-(-(-rows // n0)) // 16) * 16
 
 
+#: policy="auto"'s model of linear_cross_entropy against h @ w + cross_entropy (the
+#: unfused path: what the graph becomes without the linear_cross_entropy rewrite), fitted
+#: to wall-clock times of the jitted value_and_grad of the mean loss on the H100
+#: (benchmarks/results/2026-11-24_H100_lce, bf16, rows 8192-32768, d 768-4096, V 50304
+#: and 128256, chunks of 1024-16384 rows; the model is within 3 % of each of them):
+#:   unfused = 3 GEMMs of 2·N·d·V flops at `tflops` + the cross-entropy's 2·N·V·itemsize
+#:             bytes at `copy_tbps` (the same-bytes copy speed; × 1.46 past shared memory)
+#:   linear_cross_entropy = unfused + per chunk (`chunk_us` + 8·d·V bytes at `rmw_tbps`:
+#:             the float32 dw accumulator's read and write, in the GEMM's epilogue)
+#: (A kernel profile at the issue's shape puts most of the per-chunk cost outside the
+#: kernels: the chunk loop's; docs/perf-notes.md.)
+#: So it is never faster: it runs the same GEMMs and cross-entropy as the unfused path in
+#: pieces, plus a cost per piece. Temporaries: one chunk's logits (dlogits overwrite
+#: them) and the float32 dw accumulator, against the logits and their gradient.
+LCE_MODEL = {"NVIDIA H100 80GB HBM3": dict(tflops=718.0, copy_tbps=2.84, chunk_us=87.0, rmw_tbps=4.98)}
+#: a GPU without its own measurements uses the H100's (its ratios of compute to bandwidth
+#: to launch cost are what matter; the rule only needs the sign of the difference)
+LCE_MODEL_FALLBACK = "NVIDIA H100 80GB HBM3"
+#: vocabularies past this (bfloat16/float16; half for float32) read the logits twice
+CE_SMEM_VOCAB = 113_000
+
+
 def lce_estimate(rows: int, d: int, vocab: int, itemsize: int, kind: str | None,
                  chunk: int | None = None) -> dict:
-    """PLACEHOLDER (calibrated on the device below)."""
+    """linear_cross_entropy vs h @ w + cross_entropy at (rows, d) @ (d, vocab): chunks,
+    temporaries (MiB) and, on a CUDA GPU (kind: jax's device kind; None or a non-NVIDIA
+    kind: no times), the estimated forward + backward times (ms) and the difference
+    `extra_ms` (LCE_MODEL). `why` says what the difference is made of."""
     chunk = min(chunk or default_chunk_rows(rows, vocab, itemsize), rows)
     n = -(-rows // chunk)
-    out = dict(chunks=n, lce_mib=(4 * d * vocab + chunk * vocab * itemsize) / 2**20,
-               unfused_mib=rows * vocab * itemsize / 2**20, extra_ms=None, lce_ms=None,
-               unfused_ms=None, why="not measured")
+    out = dict(chunks=n, chunk_rows=chunk,
+               lce_mib=(4 * d * vocab + chunk * vocab * itemsize) / 2**20,
+               unfused_mib=2 * rows * vocab * itemsize / 2**20,
+               lce_ms=None, unfused_ms=None, extra_ms=None)
+    if kind is None or not str(kind).startswith("NVIDIA"):
+        out["why"] = "linear_cross_entropy is measured on NVIDIA GPUs only"
+        return out
+    m = LCE_MODEL.get(kind) or LCE_MODEL[LCE_MODEL_FALLBACK]
+    ce_bytes = 2 * rows * vocab * itemsize * (1.46 if vocab * itemsize > 2 * CE_SMEM_VOCAB else 1.0)
+    unfused = 3 * 2 * rows * d * vocab / (m["tflops"] * 1e9) + ce_bytes / (m["copy_tbps"] * 1e9)
+    per_chunk = m["chunk_us"] * 1e-3 + 8 * d * vocab / (m["rmw_tbps"] * 1e9)
+    out.update(unfused_ms=unfused, lce_ms=unfused + n * per_chunk, extra_ms=n * per_chunk)
+    out["why"] = (f"{n} chunks of {chunk} rows, each about {per_chunk * 1e3:.0f} us more: the chunk "
+                  f"loop's cost and the float32 dw accumulation"
+                  + ("" if kind in LCE_MODEL else f"; {LCE_MODEL_FALLBACK}'s model"))
     return out
 
 
@@ -577,7 +614,7 @@ def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
     xs = (rows_of(h, 0), rows_of(lab, 0), rows_of(weight, 0.0),
           rows_of(mask, False) if per_row_mask else None)
 
-    def body(carry, x):  # carry None: the first chunk, whose dw initialises the sums
+    def body(carry, x):
         h_c, lab_c, w_c, m_c = x
         logits = jnp.dot(h_c, w.T if transposed else w)
         if bias is not None:
@@ -587,37 +624,24 @@ def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
                                   in_place=True, implementation=impl)  # dlogits over the logits
         if not with_grad:
             return carry, (loss_c, None)
+        dw, db = carry
         dh_c = jnp.dot(d_c, w if transposed else w.T).astype(h.dtype)
         if transposed:
-            dw_c = jnp.dot(d_c.T, h_c, preferred_element_type=jnp.float32)
+            dw = dw + jnp.dot(d_c.T, h_c, preferred_element_type=jnp.float32)
         else:
-            dw_c = jnp.dot(h_c.T, d_c, preferred_element_type=jnp.float32)
-        db_c = None if bias is None else jnp.sum(d_c, axis=0, dtype=jnp.float32)
-        if carry is not None:  # XLA adds dw_c in the GEMM's epilogue (beta = 1, in place)
-            dw_c = carry[0] + dw_c
-            db_c = None if bias is None else carry[1] + db_c
-        return (dw_c, db_c), (loss_c, dh_c)
+            dw = dw + jnp.dot(h_c.T, d_c, preferred_element_type=jnp.float32)
+        if db is not None:
+            db = db + jnp.sum(d_c, axis=0, dtype=jnp.float32)
+        return (dw, db), (loss_c, dh_c)
 
+    init = (jnp.zeros(w.shape, jnp.float32), None if bias is None else jnp.zeros((V,), jnp.float32))
     if not with_grad:
-        _, (loss, _) = jax.lax.scan(body, (), xs)
-        return loss.reshape(-1)[:N], None
-    if PEEL_FIRST_CHUNK:
-        # The first chunk outside the loop: its dw GEMM writes the float32 sums (beta = 0),
-        # saving a zero fill and one read of the (d, V) float32 accumulator.
-        carry, (loss0, dh0) = body(None, tuple(None if a is None else a[0] for a in xs))
-        loss, dh = loss0[None], dh0[None]
-        if n > 1:
-            carry, (loss, dh) = jax.lax.scan(body, carry, tuple(None if a is None else a[1:] for a in xs))
-            loss, dh = jnp.concatenate([loss0[None], loss]), jnp.concatenate([dh0[None], dh])
-    else:
-        init = (jnp.zeros(w.shape, jnp.float32), None if bias is None else jnp.zeros((V,), jnp.float32))
-        carry, (loss, dh) = jax.lax.scan(body, init, xs)
-    return loss.reshape(-1)[:N], (dh.reshape(-1, d)[:N], carry[0], carry[1])
-
-
-#: the first chunk's dw GEMM initialises the float32 accumulator (benchmarks/lce_sweep.py
-#: measures both settings)
-PEEL_FIRST_CHUNK = True
+        init = ()
+    carry, (loss, dh) = jax.lax.scan(body, init, xs)
+    loss = loss.reshape(-1)[:N]
+    if not with_grad:
+        return loss, None
+    return loss, (dh.reshape(-1, d)[:N], carry[0], carry[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -938,7 +962,10 @@ def _lce_static(avals, out_aval):
             len(h.shape) != len(labels.shape) + 1:
         return []
     d = h.shape[-1]
-    tieds = [t for t in (False, True) if w.shape[1 if t else 0] == d]
+    # templates: w's shape says which; verification: both (the dimension numbers say
+    # which axis of w is contracted: einsum's "btd,vd->btv" has no transpose; another
+    # contraction is then refused by specialize, with the reason)
+    tieds = [t for t in (False, True) if w.shape[1 if t else 0] == d] if out_aval is None else [True, False]
     shifts = [False]
     if len(h.shape) == 3 and h.shape[0] == labels.shape[0] and h.shape[1] > labels.shape[1]:
         # verification: unshifted too, for an h whose axis 1 is not the sequence (its
@@ -1024,7 +1051,8 @@ def _lce_shape(avals, params):
 def lce_decide(avals, params) -> str | None:
     """policy="auto": replace only where linear_cross_entropy is estimated not slower
     than what the match becomes otherwise, h @ w and our fused cross_entropy (the
-    cross_entropy pattern): see lce_estimate."""
+    cross_entropy pattern), by the measured model LCE_MODEL (lce_estimate). On the GPUs
+    measured it never is: the record says by how much, and policy="memory" takes it."""
     from jax_ops.core.dispatch import device_kind
     from jax_ops.core.op import default_platform
     platform = default_platform()
@@ -1041,11 +1069,12 @@ def lce_decide(avals, params) -> str | None:
 
 def lce_decide_memory(avals, params) -> str | None:
     """policy="memory": replace where linear_cross_entropy's temporaries (one chunk's
-    logits, the float32 dw accumulator) are smaller than the logits it never makes."""
+    logits, the float32 dw accumulator) are smaller than those of h @ w + cross_entropy
+    (the logits and their gradient), whatever the time (lce_estimate)."""
     est = lce_estimate(*_lce_shape(avals, params), None)
     if est["lce_mib"] >= est["unfused_mib"]:
-        return (f"saves no memory: {est['lce_mib']:.0f} MiB of chunk and float32 dw accumulator "
-                f"vs {est['unfused_mib']:.0f} MiB of logits")
+        return (f"saves no memory: {est['lce_mib']:.0f} MiB for a chunk's logits and the float32 "
+                f"dw accumulator vs {est['unfused_mib']:.0f} MiB for the logits and their gradient")
     return None
 
 
