@@ -16,6 +16,7 @@ flax BatchNorm in training mode (batch_stats updated).
   python benchmarks/model_step.py --out results.json            # GPU sizes, bfloat16
   python benchmarks/model_step.py --small                       # CPU smoke run
   python benchmarks/model_step.py --models gpt2 --modes train --policy always
+  python benchmarks/model_step.py --models gpt2 --modes train --policy auto memory --no-original
 """
 from __future__ import annotations
 
@@ -106,13 +107,33 @@ def time_steps(run, steps, repeats):
     return times
 
 
-def bench_train(name, cfg, dtype, policy, steps, repeats, profile_rows):
+def _variants(fn, policies, original):
+    """{"original": fn, "optimized": ...} (one policy) or "optimized_<policy>" per policy."""
+    out = {"original": fn} if original else {}
+    for p in policies:
+        out["optimized" if len(policies) == 1 else f"optimized_{p}"] = jax_ops.optimize(fn, policy=p)
+    return out
+
+
+def _summary(out):
+    opt = [k for k in out if k.startswith("optimized")]
+    if "original" in out:
+        for k in opt:
+            suffix = k[len("optimized"):]
+            out["speedup" + suffix] = out["original"]["ms"] / out[k]["ms"]
+            out["temp_ratio" + suffix] = out[k]["temp_mib"] / max(out["original"]["temp_mib"], 1e-9)
+    return out
+
+
+def bench_train(name, cfg, dtype, policies, steps, repeats, profile_rows, original=True):
     params, stats, batch, loss_fn, _ = MODELS[name](cfg, dtype)
     has_stats = name == "resnet50"
-    variants = {"original": loss_fn, "optimized": jax_ops.optimize(loss_fn, policy=policy)}
+    variants = _variants(loss_fn, policies, original)
     out = {}
     report_args = (params, stats, *batch) if has_stats else (params, *batch)
-    out["rewrites"] = str(fx.rewrites(loss_fn, *report_args, policy=policy))
+    for p in policies:
+        out["rewrites" if len(policies) == 1 else f"rewrites_{p}"] = str(
+            fx.rewrites(loss_fn, *report_args, policy=p))
     for label, fn in variants.items():
         opt, step = make_train(fn, has_stats)
         p = jax.tree.map(jnp.array, params)
@@ -135,18 +156,19 @@ def bench_train(name, cfg, dtype, policy, steps, repeats, profile_rows):
                           first_loss=first_loss, profile=prof)
         print(f"{name} train {label}: {out[label]['ms']:.2f} ms/step, temp {temp / 2**20:.0f} MiB, "
               f"loss {first_loss:.5f}", flush=True)
-    out["speedup"] = out["original"]["ms"] / out["optimized"]["ms"]
-    out["temp_ratio"] = out["optimized"]["temp_mib"] / max(out["original"]["temp_mib"], 1e-9)
-    return out
+    return _summary(out)
 
 
-def bench_infer(name, cfg, dtype, policy, steps, repeats, profile_rows):
+def bench_infer(name, cfg, dtype, policies, steps, repeats, profile_rows, original=True):
     params, stats, batch, _, infer_fn = MODELS[name](cfg, dtype)
     if infer_fn is None:
         return None
     batch = batch[:1]
-    variants = {"original": infer_fn, "optimized": jax_ops.optimize(infer_fn, policy=policy)}
-    out = {"rewrites": str(fx.rewrites(infer_fn, params, stats, *batch, policy=policy))}
+    variants = _variants(infer_fn, policies, original)
+    out = {}
+    for p in policies:
+        out["rewrites" if len(policies) == 1 else f"rewrites_{p}"] = str(
+            fx.rewrites(infer_fn, params, stats, *batch, policy=p))
     ref = None
     for label, fn in variants.items():
         f = jax.jit(fn)
@@ -165,8 +187,7 @@ def bench_infer(name, cfg, dtype, policy, steps, repeats, profile_rows):
                           rel_err_vs_original=err, profile=prof)
         print(f"{name} infer {label}: {out[label]['ms']:.2f} ms/step, temp {temp / 2**20:.0f} MiB, "
               f"rel err {err:.2e}", flush=True)
-    out["speedup"] = out["original"]["ms"] / out["optimized"]["ms"]
-    return out
+    return _summary(out)
 
 
 MODELS = {"gpt2": gpt2, "resnet50": resnet50}
@@ -176,7 +197,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--modes", nargs="+", default=["train", "infer"], choices=["train", "infer"])
-    ap.add_argument("--policy", default="auto", choices=["auto", "always"])
+    ap.add_argument("--policy", nargs="+", default=["auto"], choices=["auto", "always", "memory"],
+                    help="one optimized variant per policy")
+    ap.add_argument("--no-original", action="store_true", help="time the optimized variants only")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
@@ -192,11 +215,17 @@ def main(argv=None):
     for name in a.models:
         for mode in a.modes:
             fn = bench_train if mode == "train" else bench_infer
-            r = fn(name, sizes[name], dtype, a.policy, a.steps, a.repeats, a.profile_rows)
+            r = fn(name, sizes[name], dtype, a.policy, a.steps, a.repeats, a.profile_rows,
+                   original=not a.no_original)
             if r is not None:
                 result["models"][f"{name}/{mode}"] = dict(config=sizes[name], **r)
-                print(r["rewrites"].splitlines()[0] if r["rewrites"] else "", flush=True)
-                print(f"== {name} {mode}: {r['speedup']:.3f}x", flush=True)
+                for k, v in r.items():
+                    if k.startswith("rewrites"):  # the header and the loss's rows
+                        lines = v.splitlines()
+                        print(k, *[ln for i, ln in enumerate(lines) if i == 0 or "entropy" in ln],
+                              sep="\n", flush=True)
+                    if k.startswith("speedup"):
+                        print(f"== {name} {mode} {k}: {v:.3f}x", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -871,3 +871,253 @@ def test_pattern_near_misses():
         logp = jax.nn.log_softmax(logits, axis=1)
         return -jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
     assert not any(r.replaced for r in _ce_records(other_axis, logits, ids))
+
+
+# ---------------------------- linear_cross_entropy pattern (jax_ops.optimize) ---
+# The LM head feeding a cross-entropy: replaced by linear_cross_entropy (which wins over
+# the cross_entropy pattern it contains); near misses keep the matmul and, where the
+# cross-entropy itself still matches, get the cross_entropy pattern.
+
+def _loss_records(fn, *args, policy="always", **kw):
+    from jax_ops import fx
+    return [r for r in fx.rewrites(fn, *args, policy=policy, **kw)
+            if r.pattern in ("linear_cross_entropy", "cross_entropy")]
+
+
+def _head_batch(dtype=jnp.float32, b=2, t=9, d=16, v=37, tied=False, seed=7):
+    k = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(k[0], (b, t, d), jnp.float32).astype(dtype)
+    w = (jax.random.normal(k[1], (v, d) if tied else (d, v), jnp.float32) * 0.3).astype(dtype)
+    bias = (jax.random.normal(k[2], (v,), jnp.float32) * 0.1).astype(dtype)
+    ids = jax.random.randint(k[3], (b, t), 0, v)
+    return h, w, bias, ids
+
+
+def _optimized_like_original(fn, args, argnums, *, rtol=1e-6, grad_rtol=1e-5, policy="always", **kw):
+    """optimize(fn) gives fn's value and gradients (float32 at highest precision)."""
+    fast = jax_ops.optimize(fn, policy=policy, **kw)
+    v1, g1 = jax.jit(jax.value_and_grad(fast, argnums))(*args)
+    v2, g2 = jax.value_and_grad(fn, argnums)(*args)
+    np.testing.assert_allclose(np.asarray(v1, np.float64), np.asarray(v2, np.float64), rtol=rtol, atol=rtol)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=grad_rtol, atol=grad_rtol * np.abs(b).max())
+    return fast
+
+
+def _ce_optax_shift_mean(logits, ids):
+    import optax
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1].astype(jnp.float32), ids[:, 1:]).mean()
+
+
+def _ce_take_per_example(logits, ids):
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
+
+
+def _ce_take_mean_shift(logits, ids):  # as tests/test_fx_models.py writes GPT-2's loss
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+
+
+def _flax_attend(h, w):
+    import flax.linen as nn
+    emb = nn.Embed(w.shape[0], w.shape[1])
+    return emb.apply({"params": {"embedding": w}}, h, method=emb.attend)
+
+
+def _flax_dense(h, w, b):
+    import flax.linen as nn
+    return nn.Dense(w.shape[1]).apply({"params": {"kernel": w, "bias": b}}, h)
+
+
+# head form -> (logits from h, w, bias; w is (V, d); bias used; expected transposed_w)
+LCE_HEADS = {
+    "matmul": (lambda h, w, b: h @ w, False, False, False),
+    "dot_bias": (lambda h, w, b: jnp.dot(h, w) + b, False, True, False),
+    "tied_dot_T": (lambda h, w, b: jnp.dot(h, w.T), True, False, True),
+    "tied_matmul_T_bias": (lambda h, w, b: h @ w.T + b, True, True, True),
+    "tied_einsum": (lambda h, w, b: jnp.einsum("btd,vd->btv", h, w), True, False, True),
+    "flax_embed_attend": (lambda h, w, b: _flax_attend(h, w), True, False, True),
+    "flax_dense_bias": (lambda h, w, b: _flax_dense(h, w, b), False, True, False),
+}
+LCE_LOSSES = {"optax_shift_mean": (_ce_optax_shift_mean, dict(shift=True, mean=True)),
+              "take_per_example": (_ce_take_per_example, dict(shift=False, mean=False)),
+              "take_mean_shift": (_ce_take_mean_shift, dict(shift=True, mean=True))}
+
+
+@pytest.mark.usefixtures("highest_precision")
+@pytest.mark.parametrize("head,loss", [(h, l) for i, h in enumerate(LCE_HEADS)
+                                       for j, l in enumerate(LCE_LOSSES) if (i + j) % 2 == 0 or h == "matmul"])
+def test_lce_pattern_heads_and_losses(head, loss):
+    """Each LM-head form x cross-entropy formulation: one linear_cross_entropy replacement
+    (the cross_entropy pattern it contains is not reported: its equations are taken), the
+    right transposed_w, and the original's loss and gradients of h, w, bias."""
+    make, tied, uses_bias, transposed = LCE_HEADS[head]
+    ce, params = LCE_LOSSES[loss]
+    h, w, bias, ids = _head_batch(tied=tied)
+
+    def fn(h, w, bias, ids):
+        return ce(make(h, w, bias if uses_bias else None), ids)
+    recs = _loss_records(fn, h, w, bias, ids)
+    assert [r.pattern for r in recs] == ["linear_cross_entropy"] and recs[0].replaced, recs
+    assert recs[0].params == {**params, "transposed_w": transposed}, recs[0]
+    fast = jax_ops.optimize(fn, policy="always")
+    names = {e.primitive.name for e in jax.make_jaxpr(fast)(h, w, bias, ids).eqns}
+    assert "custom_vjp_call" in names and "dot_general" not in names, names  # the matmul: in the op
+    per_example = not params["mean"]
+    f = (lambda *a: jnp.sum(fn(*a) * jnp.arange(1.0, 1.0 + fn(*a).size).reshape(fn(*a).shape))
+         ) if per_example else fn  # distinct cotangents: the op's "none" backward
+    _optimized_like_original(f, (h, w, bias, ids), (0, 1, 2) if uses_bias else (0, 1))
+
+
+@pytest.mark.usefixtures("highest_precision")
+def test_lce_pattern_bfloat16_upcast_and_rank2():
+    """bfloat16 h and w with the float32 upcast (Hugging Face's loss), and a 2-D h."""
+    h, w, _, ids = _head_batch(jnp.bfloat16)
+
+    def fn(h, w, ids):
+        return _ce_optax_shift_mean(h @ w, ids)
+    recs = _loss_records(fn, h, w, ids)
+    assert len(recs) == 1 and recs[0].replaced and recs[0].pattern == "linear_cross_entropy", recs
+    fast = jax_ops.optimize(fn, policy="always")
+    np.testing.assert_allclose(float(jax.jit(fast)(h, w, ids)), float(fn(h, w, ids)), rtol=2e-3)
+    g1 = jax.grad(fast, (0, 1))(h, w, ids)
+    g2 = jax.grad(fn, (0, 1))(h, w, ids)
+    for a, b in zip(g1, g2):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert a.dtype == b.dtype and np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+
+    def flat(h2, w, ids2):  # (rows, d): no shift
+        import optax
+        return optax.softmax_cross_entropy_with_integer_labels(h2 @ w, ids2).mean()
+    h2, ids2 = h.reshape(-1, h.shape[-1]).astype(jnp.float32), ids.reshape(-1)
+    recs = _loss_records(flat, h2, w.astype(jnp.float32), ids2)
+    assert [r.pattern for r in recs.__iter__() if r.replaced] == ["linear_cross_entropy"], recs
+    _optimized_like_original(flat, (h2, w.astype(jnp.float32), ids2), (0, 1))
+
+
+def _kept_lce(fn, *args, reason=None, ce_replaced=True):
+    """linear_cross_entropy not replaced (its record, if any, says `reason`), the
+    cross_entropy pattern replaced or not as said, and optimize(fn) still equal to fn."""
+    recs = _loss_records(fn, *args)
+    lce = [r for r in recs if r.pattern == "linear_cross_entropy"]
+    assert not any(r.replaced for r in lce), recs
+    if reason is not None:
+        assert lce and reason in lce[0].reason, recs
+    assert any(r.replaced and r.pattern == "cross_entropy" for r in recs) == ce_replaced, recs
+    fast = jax_ops.optimize(fn, policy="always")
+    out, ref = jax.tree.leaves(fast(*args)), jax.tree.leaves(fn(*args))
+    for a, b in zip(out, ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+    return recs
+
+
+def test_lce_pattern_near_misses():
+    """Each fails if matching is too lax: it would compute something else."""
+    h, w, bias, ids = _head_batch()
+    hi = jax.lax.Precision.HIGHEST
+
+    def logits_also_returned(h, w, ids):  # a model returning logits and loss
+        logits = h @ w
+        return _ce_optax_shift_mean(logits, ids), logits
+    _kept_lce(logits_also_returned, h, w, ids, reason="intermediate logits used elsewhere")
+
+    def logits_used_twice(h, w, ids):
+        logits = h @ w
+        return _ce_optax_shift_mean(logits, ids) + 1e-3 * jnp.sum(logits ** 2)
+    _kept_lce(logits_used_twice, h, w, ids, reason="intermediate logits used elsewhere")
+
+    def other_contraction(h, w, ids):  # h is (b, d, t): its axis 1 is contracted
+        return _ce_take_per_example(jnp.einsum("bdt,dv->btv", h, w), ids)
+    h_bdt = jnp.swapaxes(h, 1, 2)[:, :, :8]  # d=16 > t=8: no shift either
+    _kept_lce(other_contraction, h_bdt, w, ids[:, :8], reason="contracts axes (1,)")
+
+    def logits_transposed(h, w, ids):  # (wᵀ hᵀ)ᵀ: the matmul's result is transposed
+        return _ce_take_per_example((w.T @ h[0].T).T, ids[0])
+    _kept_lce(logits_transposed, h, w, ids)
+
+    def bias_on_rows(h, w, b, ids):  # a bias per row (square logits): not a (V,) bias
+        return _ce_take_per_example(h[0, :, :] @ w[:, :9] + b[:9, None], ids[0] % 9)
+    _kept_lce(bias_on_rows, h, w, bias, ids)
+
+    def scaled(h, w, ids):  # logits * 0.5 between the matmul and the loss
+        return _ce_optax_shift_mean((h @ w) * 0.5, ids)
+    _kept_lce(scaled, h, w, ids)
+
+    def wrong_shift(h, w, ids):  # logits[:, 1:]: not the rows the labels belong to
+        import optax
+        return optax.softmax_cross_entropy_with_integer_labels((h @ w)[:, 1:], ids[:, 1:]).mean()
+    _kept_lce(wrong_shift, h, w, ids)
+
+    def other_precision(h, w, ids):  # the op's matmuls run at the default precision
+        return _ce_optax_shift_mean(jnp.dot(h, w, precision=hi), ids)
+    _kept_lce(other_precision, h, w, ids, reason="precision=(Precision.HIGHEST")
+
+    hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+    def float32_logits(h, w, ids):  # bf16 inputs, float32 products: the op's logits are bf16
+        return _ce_optax_shift_mean(jnp.dot(h, w, preferred_element_type=jnp.float32), ids)
+    _kept_lce(float32_logits, hb, wb, ids, reason="gives float32 logits")
+
+    def float32_bias(h, w, b, ids):  # bf16 logits + a float32 bias: the sum is float32
+        return _ce_optax_shift_mean(h @ w + b, ids)
+    _kept_lce(float32_bias, hb, wb, bias, ids)
+
+
+@pytest.mark.usefixtures("highest_precision")
+def test_lce_pattern_square_w_keeps_its_orientation():
+    """d == V: h @ W and h @ W.T are both heads, with transposed_w False and True; a
+    wrong flag would give other numbers (W is not symmetric)."""
+    h, _, _, ids = _head_batch(d=16, v=16)
+    W = jax.random.normal(jax.random.key(3), (16, 16)) * 0.3
+    for transposed, head in ((False, lambda h, W: h @ W), (True, lambda h, W: h @ W.T)):
+        def fn(h, W, ids, head=head):
+            return _ce_optax_shift_mean(head(h, W), ids)
+        recs = _loss_records(fn, h, W, ids)
+        assert recs[0].replaced and recs[0].params["transposed_w"] is transposed, recs
+        _optimized_like_original(fn, (h, W, ids), (0, 1))
+
+
+def test_lce_pattern_policies(monkeypatch):
+    """auto keeps it where it is not faster (CPU; a modelled H100) and the cross_entropy
+    pattern then still applies; "memory" and "always" take it; the larger pattern wins
+    whatever order the patterns are named in; exclude gives the cross_entropy pattern."""
+    import importlib
+    from jax_ops import fx
+    rw = importlib.import_module("jax_ops.fx.rewrite")
+    ce_mod = importlib.import_module("jax_ops.ops.cross_entropy")
+    sds = jax.ShapeDtypeStruct  # GPT-2 small's head: 16 x 1024 tokens, d 768, V 50304
+    big = (sds((16, 1024, 768), jnp.bfloat16), sds((768, 50304), jnp.bfloat16), sds((16, 1024), jnp.int32))
+
+    def fn(h, w, ids):
+        return _ce_optax_shift_mean(h @ w, ids)
+
+    def replaced(policy, *args, **kw):
+        return [r.pattern for r in fx.rewrites(fn, *args, policy=policy, **kw) if r.replaced]
+    assert replaced("always", *big) == ["linear_cross_entropy"]
+    assert replaced("always", *big, patterns=["cross_entropy", "linear_cross_entropy"]) == ["linear_cross_entropy"]
+    assert replaced("always", *big, exclude=["linear_cross_entropy"]) == ["cross_entropy"]
+    assert replaced("memory", *big) == ["linear_cross_entropy"]
+    recs = _loss_records(fn, *big, policy="auto")
+    assert not any(r.replaced for r in recs) and "not faster on cpu" in recs[0].reason, recs
+    # where our cross_entropy is the faster choice (a GPU), auto still takes that one
+    monkeypatch.setattr(rw, "_not_faster", lambda m, avals: None)
+    recs = _loss_records(fn, *big, policy="auto")
+    assert [(r.pattern, r.replaced) for r in recs] == [("linear_cross_entropy", False), ("cross_entropy", True)]
+    # on a (modelled) H100: slower by the model, with the numbers and the way to take it
+    monkeypatch.setattr(importlib.import_module("jax_ops.core.op"), "default_platform", lambda: "cuda")
+    monkeypatch.setattr(importlib.import_module("jax_ops.core.dispatch"), "device_kind",
+                        lambda platform: "NVIDIA H100 80GB HBM3")
+    recs = _loss_records(fn, *big, policy="auto")
+    assert recs[0].pattern == "linear_cross_entropy" and not recs[0].replaced
+    assert re.search(r"not faster on NVIDIA H100 80GB HBM3: estimated 7\.\d+ ms vs 6\.\d+ ms .*"
+                     r"8 chunks .*policy=\"memory\" takes it", recs[0].reason), recs[0].reason
+    est = ce_mod.lce_estimate(16384, 768, 50304, 2, "NVIDIA H100 80GB HBM3")
+    assert est["extra_ms"] > 0 and est["lce_mib"] < est["unfused_mib"] / 5
+    # few rows, a wide h: the float32 dw accumulator (4 d V bytes) outweighs the logits
+    # and their gradient (2 N V itemsize bytes), so "memory" keeps it too
+    small = (sds((2, 3, 64), jnp.float32), sds((64, 37), jnp.float32), sds((2, 3), jnp.int32))
+    recs = _loss_records(fn, *small, policy="memory")
+    assert recs[0].pattern == "linear_cross_entropy" and "saves no memory" in recs[0].reason, recs

@@ -64,6 +64,46 @@ def test_hf_gpt2_lm_loss_and_grads():
     _tree_close(jax.jit(jax.grad(fast))(model.params, ids), jax.grad(loss)(model.params, ids), 1e-4)
 
 
+@pytest.mark.parametrize("loss_form", ["optax_upcast", "take_mean"])
+def test_hf_gpt2_lm_head_becomes_linear_cross_entropy(loss_form):
+    """GPT-2's tied LM head (the wte embedding transposed into lm_head's dot_general)
+    and the shifted mean loss, as users write it: one linear_cross_entropy (transposed_w:
+    the embedding itself, no transposed copy), loss and gradients equal to the original's
+    (float32, highest precision)."""
+    import optax
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=61)
+    model = transformers.FlaxGPT2LMHeadModel(cfg, input_shape=(1, 16), seed=0)
+    ids = jax.random.randint(jax.random.key(0), (2, 16), 0, 61)
+
+    def lm_loss(logits, ids):
+        if loss_form == "optax_upcast":  # benchmarks/model_step.py's
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1].astype(jnp.float32), ids[:, 1:]).mean()
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+
+    def loss(params, ids):
+        return lm_loss(model(ids, params=params).logits, ids)
+    counts, recs = _replaced(loss, model.params, ids)
+    assert counts["linear_cross_entropy"] == 1 and counts["cross_entropy"] == 0, recs
+    (r,) = [r for r in recs if r.pattern == "linear_cross_entropy"]
+    assert r.params == {"shift": True, "mean": True, "transposed_w": True}, r
+    fast = jax_ops.optimize(loss, policy="always")
+    names = {n.name for _, n in fx.trace(jax.grad(fast), model.params, ids).walk()}
+    assert "jax_ops_ce_fwd" in names, names
+    l1, g1 = jax.jit(jax.value_and_grad(fast))(model.params, ids)
+    l2, g2 = jax.value_and_grad(loss)(model.params, ids)
+    assert _rel(l1, l2) < 1e-6
+    _tree_close(g1, g2, 1e-5)
+    # the same head with a model that also returns its logits: kept, and why
+    def loss_and_logits(params, ids):
+        logits = model(ids, params=params).logits
+        return lm_loss(logits, ids), logits
+    _, recs = _replaced(loss_and_logits, model.params, ids)
+    kept = [r for r in recs if r.pattern == "linear_cross_entropy"]
+    assert kept and not kept[0].replaced and "used elsewhere" in kept[0].reason, recs
+
+
 def test_hf_bert_encoder():
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64,

@@ -80,6 +80,9 @@ class Pattern:
       (attention's is_causal).
     decide(avals, params) -> None or why policy="auto" keeps the original (default:
       jax_ops.explain of the replacement picks one of our kernels).
+    decide_memory(avals, params) -> None or why policy="memory" keeps the original: for
+      a replacement that trades time for memory (linear_cross_entropy never makes the
+      logits); None (the default): the pattern follows `decide` under "memory" too.
     outputs: names of the reference's results. The first is the main output: the match
       ends at its equation. The others are values computed on the way to it that may
       also be used outside the match (add+norm's h, BatchNorm's batch mean and
@@ -106,6 +109,7 @@ class Pattern:
     note: str = ""
     specialize: Callable | None = None
     decide: Callable | None = None
+    decide_memory: Callable | None = None
     reported: tuple = ()
 
     def __post_init__(self):

@@ -20,7 +20,7 @@ from jax_ops.core.calls import explain
 from jax_ops.core.dispatch import device_kind
 from jax_ops.core.op import default_platform
 
-POLICIES = ("auto", "always")
+POLICIES = ("auto", "always", "memory")
 
 #: bodies optimize() rewrites in place (the node is re-issued through the public API)
 REWRITABLE_BODIES = ("checkpoint", "remat", "remat2", "scan", "cond", "while")
@@ -290,7 +290,9 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     reason = frozen
                 if reason is None:
                     reason = _replacement_refuses(m, avals)
-                if reason is None and policy == "auto":
+                if reason is None and policy == "memory" and pattern.decide_memory is not None:
+                    reason = pattern.decide_memory(avals, params)
+                elif reason is None and policy in ("auto", "memory"):
                     reason = (pattern.decide(avals, params) if pattern.decide is not None
                               else _not_faster(m, avals))
                 shown = {k: v for k, v in params.items()
@@ -513,7 +515,10 @@ def optimize(fn: Callable, *, policy: str = "auto", patterns=None, exclude=()) -
         closure or functools.partial).
       policy: "auto" replaces a match only where the library's automatic choice runs
         one of our kernels for it on this device (jax_ops.explain; a user pattern whose
-        replacement calls no jax_ops op is always replaced); "always" replaces every
+        replacement calls no jax_ops op is always replaced) or, for a pattern that
+        decides itself (Pattern.decide), where it says the replacement is not slower;
+        "memory" is "auto" plus the replacements that trade time for memory where they
+        save it (Pattern.decide_memory: linear_cross_entropy); "always" replaces every
         verified match.
       patterns: pattern names or Pattern objects to use (None: all registered).
       exclude: pattern names not to use.

@@ -548,6 +548,54 @@ def default_chunk_rows(rows: int, vocab: int, itemsize: int) -> int:
     return -(-(-(-rows // n0)) // 16) * 16
 
 
+#: policy="auto"'s model of linear_cross_entropy against h @ w + cross_entropy (the
+#: unfused path: what the graph becomes without the linear_cross_entropy rewrite), fitted
+#: to wall-clock times of the jitted value_and_grad of the mean loss on the H100
+#: (benchmarks/results/2026-11-24_H100_lce, bf16, rows 8192-32768, d 768-4096, V 50304
+#: and 128256, chunks of 1024-16384 rows; the model is within 3 % of each of them):
+#:   unfused = 3 GEMMs of 2·N·d·V flops at `tflops` + the cross-entropy's 2·N·V·itemsize
+#:             bytes at `copy_tbps` (the same-bytes copy speed; × 1.46 past shared memory)
+#:   linear_cross_entropy = unfused + per chunk (`chunk_us` + 8·d·V bytes at `rmw_tbps`:
+#:             the float32 dw accumulator's read and write, in the GEMM's epilogue)
+#: (A kernel profile at the issue's shape puts most of the per-chunk cost outside the
+#: kernels: the chunk loop's; docs/perf-notes.md.)
+#: So it is never faster: it runs the same GEMMs and cross-entropy as the unfused path in
+#: pieces, plus a cost per piece. Temporaries: one chunk's logits (dlogits overwrite
+#: them) and the float32 dw accumulator, against the logits and their gradient.
+LCE_MODEL = {"NVIDIA H100 80GB HBM3": dict(tflops=718.0, copy_tbps=2.84, chunk_us=87.0, rmw_tbps=4.98)}
+#: a GPU without its own measurements uses the H100's (its ratios of compute to bandwidth
+#: to launch cost are what matter; the rule only needs the sign of the difference)
+LCE_MODEL_FALLBACK = "NVIDIA H100 80GB HBM3"
+#: vocabularies past this (bfloat16/float16; half for float32) read the logits twice
+CE_SMEM_VOCAB = 113_000
+
+
+def lce_estimate(rows: int, d: int, vocab: int, itemsize: int, kind: str | None,
+                 chunk: int | None = None) -> dict:
+    """linear_cross_entropy vs h @ w + cross_entropy at (rows, d) @ (d, vocab): chunks,
+    temporaries (MiB) and, on a CUDA GPU (kind: jax's device kind; None or a non-NVIDIA
+    kind: no times), the estimated forward + backward times (ms) and the difference
+    `extra_ms` (LCE_MODEL). `why` says what the difference is made of."""
+    chunk = min(chunk or default_chunk_rows(rows, vocab, itemsize), rows)
+    n = -(-rows // chunk)
+    out = dict(chunks=n, chunk_rows=chunk,
+               lce_mib=(4 * d * vocab + chunk * vocab * itemsize) / 2**20,
+               unfused_mib=2 * rows * vocab * itemsize / 2**20,
+               lce_ms=None, unfused_ms=None, extra_ms=None)
+    if kind is None or not str(kind).startswith("NVIDIA"):
+        out["why"] = "linear_cross_entropy is measured on NVIDIA GPUs only"
+        return out
+    m = LCE_MODEL.get(kind) or LCE_MODEL[LCE_MODEL_FALLBACK]
+    ce_bytes = 2 * rows * vocab * itemsize * (1.46 if vocab * itemsize > 2 * CE_SMEM_VOCAB else 1.0)
+    unfused = 3 * 2 * rows * d * vocab / (m["tflops"] * 1e9) + ce_bytes / (m["copy_tbps"] * 1e9)
+    per_chunk = m["chunk_us"] * 1e-3 + 8 * d * vocab / (m["rmw_tbps"] * 1e9)
+    out.update(unfused_ms=unfused, lce_ms=unfused + n * per_chunk, extra_ms=n * per_chunk)
+    out["why"] = (f"{n} chunks of {chunk} rows, each about {per_chunk * 1e3:.0f} us more: the chunk "
+                  f"loop's cost and the float32 dw accumulation"
+                  + ("" if kind in LCE_MODEL else f"; {LCE_MODEL_FALLBACK}'s model"))
+    return out
+
+
 def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
     """Scan over row chunks. h (N, d); lab/weight (N,); mask None, (1, V) or (N, V).
     Returns the per-row weighted losses (N,) and, with_grad, (dh (N, d) in h's dtype,
@@ -782,6 +830,24 @@ def _log_softmax_take_ref(logits, labels, *, upcast, shift, mean):
     return nll.mean() if mean else nll
 
 
+def _take_mean_ref(logits, labels, *, upcast, shift, mean):
+    """-take_along_axis(log_softmax(logits), labels[..., None]).mean(): the mean of the
+    picked log-probabilities, negated: the mean of the per-example losses exactly
+    (negation is exact and commutes with rounding, so -(Σ x / n) == Σ(-x) / n)."""
+    if shift:
+        logits = _shifted(logits, labels)
+    if upcast:
+        logits = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
+
+
+def _mean_only(static):
+    def only(avals, out_aval):
+        return [s for s in static(avals, out_aval) if s["mean"]]
+    return only
+
+
 def _ce_static(avals, out_aval):
     logits, labels = avals[0], avals[1]
     if logits is None or labels is None or len(logits.shape) != len(labels.shape) + 1:
@@ -813,22 +879,224 @@ def _ce_accepts(avals):
     return None
 
 
-def cross_entropy_replacement(logits, labels, *, shift=False, mean=False, **_):
+def _shifted_loss(loss_fn, labels, t, shift, mean):
+    """loss_fn(labels, where, reduction) on the whole sequence of length t: labels
+    shorter than t (a shift) are padded and the rows past them left out with `where`
+    (their gradient is 0, the transpose of the slice); per-example losses are cut back
+    to the labels' length."""
     reduction = "mean" if mean else "none"
     if not shift:
-        return cross_entropy(logits, labels, reduction=reduction)
-    n, t = labels.shape[1], logits.shape[1]
+        return loss_fn(labels, None, reduction)
+    n = labels.shape[1]
     full = jnp.concatenate([labels, jnp.zeros((labels.shape[0], t - n), labels.dtype)], axis=1)
     keep = jnp.broadcast_to(jnp.arange(t) < n, full.shape)
-    loss = cross_entropy(logits, full, where=keep, reduction=reduction)
+    loss = loss_fn(full, keep, reduction)
     return loss if mean else loss[:, :n]
 
 
+def cross_entropy_replacement(logits, labels, *, shift=False, mean=False, **_):
+    return _shifted_loss(lambda lab, where, reduction: cross_entropy(
+        logits, lab, where=where, reduction=reduction), labels, logits.shape[-2] if shift else 0,
+        shift, mean)
+
+
 def cross_entropy_patterns() -> list[Pattern]:
-    return [Pattern("cross_entropy",
+    return [*linear_cross_entropy_patterns(), Pattern("cross_entropy",
                     [Formulation(_optax_ce_ref, _ce_static,
                                  "optax.softmax_cross_entropy_with_integer_labels"),
                      Formulation(_log_softmax_take_ref, _ce_static,
-                                 "-take_along_axis(log_softmax(logits), labels)")],
+                                 "-take_along_axis(log_softmax(logits), labels)"),
+                     Formulation(_take_mean_ref, _mean_only(_ce_static),
+                                 "-take_along_axis(log_softmax(logits), labels).mean()")],
                     cross_entropy_replacement, _ce_examples(), accepts=_ce_accepts,
                     reported=("shift", "mean"), priority=1)]  # before log_softmax, which it contains
+
+
+# ------------------------------ linear_cross_entropy: rewrite pattern (jax_ops.fx) ---
+# The LM head feeding any cross_entropy formulation above: `logits = h @ w` (w (d, V)),
+# the tied embedding `jnp.dot(h, E.T)` (flax nn.Embed.attend; E (V, d)), or flax
+# nn.Dense's lax.dot_general, optionally plus a bias of the logits' dtype (`+ b`, or
+# flax Dense's reshaped bias), then the float32 upcast, the CE, the mean and the LM
+# shift as the cross_entropy pattern accepts them. The matmul's params are taken from
+# the graph (Formulation(node_params=...): its re-traced equation then equals the
+# graph's whatever they are) and `specialize` accepts only what the op's chunk matmuls
+# compute: h's last axis contracted with one axis of w, no batch axes, the default
+# precision, the logits in h's dtype. The logits must have no other use (escaping
+# intermediates are refused by fx), so a model returning logits and loss keeps both.
+
+DOT = "dot_general"
+
+
+def _lce_logits(h, w, bias, *, tied, bias_form, dot_general):
+    ww = jnp.transpose(w) if tied else w
+    if dot_general is None:  # templates: only the structure matters
+        logits = jnp.matmul(h, ww)
+    else:  # the graph's equation, params and all (specialize judges them)
+        logits = jax.lax.dot_general_p.bind(h, ww, **dict(dot_general))
+    if bias is not None:
+        if bias_form == "flax":  # flax.linen.Dense: y += reshape(bias, (1, ..., 1, V))
+            logits += jnp.reshape(bias, (1,) * (logits.ndim - 1) + (-1,))
+        else:
+            logits = logits + bias
+    return logits
+
+
+def _lce_optax_ref(h, w, bias, labels, *, tied, bias_form, dot_general, upcast, shift, mean):
+    logits = _lce_logits(h, w, bias, tied=tied, bias_form=bias_form, dot_general=dot_general)
+    return _optax_ce_ref(logits, labels, upcast=upcast, shift=shift, mean=mean)
+
+
+def _lce_take_ref(h, w, bias, labels, *, tied, bias_form, dot_general, upcast, shift, mean):
+    logits = _lce_logits(h, w, bias, tied=tied, bias_form=bias_form, dot_general=dot_general)
+    return _log_softmax_take_ref(logits, labels, upcast=upcast, shift=shift, mean=mean)
+
+
+def _lce_take_mean_ref(h, w, bias, labels, *, tied, bias_form, dot_general, upcast, shift, mean):
+    logits = _lce_logits(h, w, bias, tied=tied, bias_form=bias_form, dot_general=dot_general)
+    return _take_mean_ref(logits, labels, upcast=upcast, shift=shift, mean=mean)
+
+
+def _lce_static(avals, out_aval):
+    h, w, bias, labels = avals
+    if h is None or w is None or labels is None or len(w.shape) != 2 or \
+            len(h.shape) != len(labels.shape) + 1:
+        return []
+    d = h.shape[-1]
+    # templates: w's shape says which; verification: both (the dimension numbers say
+    # which axis of w is contracted: einsum's "btd,vd->btv" has no transpose; another
+    # contraction is then refused by specialize, with the reason)
+    tieds = [t for t in (False, True) if w.shape[1 if t else 0] == d] if out_aval is None else [True, False]
+    shifts = [False]
+    if len(h.shape) == 3 and h.shape[0] == labels.shape[0] and h.shape[1] > labels.shape[1]:
+        # verification: unshifted too, for an h whose axis 1 is not the sequence (its
+        # contraction is then refused by specialize, with the reason)
+        shifts = [True] if out_aval is None else [True, False]
+    upcasts = [False] if h.dtype == jnp.float32 else [True, False]
+    means = [False, True] if out_aval is None else [len(out_aval.shape) == 0]
+    forms = [None] if bias is None else ["add", "flax"]
+    return [{"tied": t, "bias_form": f, "upcast": u, "shift": s, "mean": m}
+            for t in tieds for f in forms for u in upcasts for s in shifts for m in means]
+
+
+def _lce_examples():
+    """h (rows, d) or (b, t, d) with labels one shorter (the shift), w (V, d) (tied) or
+    (d, V), bias absent or (V,); d != V so w's shape says which. float32, and bfloat16
+    for the structures with the upcast. The tied structure first: it contains the other
+    (whose w would be the transposed copy) and must win."""
+    out = []
+    d, V = 16, 12
+    for dt in (F32, BF16):
+        for h, lab in (((2, 8, d), (2, 7)), ((8, d), (8,))):
+            for w in ((V, d), (d, V)):
+                for b in (None, sds((V,), dt)):
+                    out.append((sds(h, dt), sds(w, dt), b, sds(lab, jnp.int32)))
+    return out
+
+
+def _lce_accepts(avals):
+    h, w, bias, labels = avals
+    if h.dtype not in OP_DTYPES:
+        return f"h is {h.dtype}; jax_ops.linear_cross_entropy takes float32, bfloat16, float16"
+    if w.dtype != h.dtype:
+        return f"w is {w.dtype}, h {h.dtype}: jax_ops.linear_cross_entropy takes both in one dtype"
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        return f"labels are {labels.dtype}, not integers"
+    if bias is not None and (len(bias.shape) != 1 or bias.dtype != h.dtype):
+        return (f"the bias is {bias.dtype}{list(bias.shape)}: linear_cross_entropy adds a "
+                f"(V,) bias in the logits' dtype {h.dtype}")
+    return None
+
+
+def _default_precision():
+    """The precision jnp.dot records now (None, or the default_matmul_precision in
+    effect): what linear_cross_entropy's chunk matmuls get."""
+    j = jax.make_jaxpr(jnp.dot)(jax.ShapeDtypeStruct((2, 2), jnp.float32),
+                                jax.ShapeDtypeStruct((2, 2), jnp.float32))
+    return j.eqns[0].params["precision"]
+
+
+def _lce_specialize(graph_args, avals, params):
+    """transposed_w from the matmul's dimension numbers; the reason where the matmul
+    is not the op's (another contraction, batch axes, precision, result dtype)."""
+    h, w = avals[0], avals[1]
+    dg = dict(params[DOT])
+    (lc, rc), (lb, rb) = dg["dimension_numbers"]
+    if tuple(lb) or tuple(rb):
+        return "the matmul has batch axes (linear_cross_entropy: one (d, V) or (V, d) w)"
+    if tuple(lc) != (len(h.shape) - 1,) or len(rc) != 1:
+        return (f"the matmul contracts axes {tuple(lc)} of h {tuple(h.shape)}; "
+                "linear_cross_entropy contracts h's last axis")
+    w_axis = rc[0] if not params["tied"] else 1 - rc[0]  # the axis of w (as passed) contracted
+    prec, want = dg.get("precision"), _default_precision()
+    if prec != want:
+        return (f"the matmul has precision={prec}; linear_cross_entropy's matmuls run at the "
+                f"default precision ({want})")
+    pet = dg.get("preferred_element_type")
+    if pet is not None and np.dtype(pet) != np.dtype(h.dtype):
+        return (f"the matmul gives {np.dtype(pet)} logits from {np.dtype(h.dtype)} inputs; "
+                f"linear_cross_entropy's logits are {np.dtype(h.dtype)}")
+    if dg.get("out_sharding") is not None:
+        return "the matmul has an out_sharding"
+    return {"transposed_w": bool(w_axis == 1)}
+
+
+def _lce_shape(avals, params):
+    """(rows N, d, V, itemsize) of a match."""
+    h, w = avals[0], avals[1]
+    d = h.shape[-1]
+    V = w.shape[0] if params.get("transposed_w") else w.shape[1]
+    return int(np.prod(h.shape[:-1])), d, V, np.dtype(h.dtype).itemsize
+
+
+def lce_decide(avals, params) -> str | None:
+    """policy="auto": replace only where linear_cross_entropy is estimated not slower
+    than what the match becomes otherwise, h @ w and our fused cross_entropy (the
+    cross_entropy pattern), by the measured model LCE_MODEL (lce_estimate). On the GPUs
+    measured it never is: the record says by how much, and policy="memory" takes it."""
+    from jax_ops.core.dispatch import device_kind
+    from jax_ops.core.op import default_platform
+    platform = default_platform()
+    kind = device_kind(platform) or platform
+    est = lce_estimate(*_lce_shape(avals, params), kind)
+    if est["extra_ms"] is None:
+        return f"not faster on {kind}: {est['why']}"
+    if est["extra_ms"] > 0:
+        return (f"not faster on {kind}: estimated {est['lce_ms']:.2f} ms vs {est['unfused_ms']:.2f} ms "
+                f"for h @ w + cross_entropy ({est['why']}); policy=\"memory\" takes it "
+                f"({est['lce_mib']:.0f} vs {est['unfused_mib']:.0f} MiB)")
+    return None
+
+
+def lce_decide_memory(avals, params) -> str | None:
+    """policy="memory": replace where linear_cross_entropy's temporaries (one chunk's
+    logits, the float32 dw accumulator) are smaller than those of h @ w + cross_entropy
+    (the logits and their gradient), whatever the time (lce_estimate)."""
+    est = lce_estimate(*_lce_shape(avals, params), None)
+    if est["lce_mib"] >= est["unfused_mib"]:
+        return (f"saves no memory: {est['lce_mib']:.0f} MiB for a chunk's logits and the float32 "
+                f"dw accumulator vs {est['unfused_mib']:.0f} MiB for the logits and their gradient")
+    return None
+
+
+def linear_cross_entropy_replacement(h, w, bias, labels, *, shift=False, mean=False,
+                                     transposed_w=False, **_):
+    return _shifted_loss(lambda lab, where, reduction: linear_cross_entropy(
+        h, w, lab, bias=bias, transposed_w=transposed_w, where=where, reduction=reduction),
+        labels, h.shape[-2] if shift else 0, shift, mean)
+
+
+def linear_cross_entropy_patterns() -> list[Pattern]:
+    return [Pattern(LCE,
+                    [Formulation(_lce_optax_ref, _lce_static,
+                                 "h @ w, optax.softmax_cross_entropy_with_integer_labels",
+                                 node_params=(DOT,)),
+                     Formulation(_lce_take_ref, _lce_static,
+                                 "h @ w, -take_along_axis(log_softmax(logits), labels)",
+                                 node_params=(DOT,)),
+                     Formulation(_lce_take_mean_ref, _mean_only(_lce_static),
+                                 "h @ w, -take_along_axis(log_softmax(logits), labels).mean()",
+                                 node_params=(DOT,))],
+                    linear_cross_entropy_replacement, _lce_examples(), accepts=_lce_accepts,
+                    specialize=_lce_specialize, decide=lce_decide, decide_memory=lce_decide_memory,
+                    reported=("shift", "mean", "transposed_w"),
+                    priority=2)]  # before cross_entropy (priority 1), which it contains
