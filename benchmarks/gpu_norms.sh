@@ -12,7 +12,7 @@ B="python3 -m jax_ops.bench --repeats 3"
 if has tests; then
   t0=$SECONDS
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -n ${TEST_WORKERS:-12} -p no:cacheprovider --durations=5 \
-    tests/test_layer_norm.py tests/test_add_norm.py 2>&1 | tee "$OUT/tests_norms.txt" | tail -8
+    tests/test_layer_norm.py tests/test_add_norm.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/tests_norms.txt" | tail -8
   echo "tests: $((SECONDS - t0)) s" | tee -a "$OUT/env.txt"
 fi
 if has sanitize; then

@@ -943,6 +943,7 @@ def test_vjp_temporary_memory_within_autodiff(op, shape, dtype):
         ws = jax_ops._extension.norm_bwd_partial_rows(
             jnp.dtype(dtype).name, "float32", rows, cols, rms=rms, add=False, dscale=True, dbias=not rms)
         assert ws is not None and 2 * ws * cols * 4 <= 9 << 20, ws
-        # Beside them only the saved float32 statistics (autodiff may recompute its own).
-        assert t_ours - 2 * ws * cols * 4 - 8 * rows <= t_plain, \
+        # Beside them only the saved float32 statistics (autodiff may recompute its own)
+        # and the allocator's alignment.
+        assert t_ours - 2 * ws * cols * 4 - 8 * rows <= t_plain + 4096, \
             f"temporary bytes: ours {t_ours} ({ws} partial rows), jnp autodiff {t_plain}"
