@@ -212,6 +212,11 @@ def test_chart_data_points_are_the_json_numbers(tmp_path):
     assert xla_bwd.gbps == (10.0,) and np.isnan(xla_bwd.pct_of_copy[0])
     with pytest.raises(TypeError, match="records: expected jax_ops.bench.Record"):
         bench.chart_data(raw)
+    from jax_ops.bench import plot
+    assert [s.label for s in fwd.series] == ["cuda", "xla", "copy (ceiling)", "mine"]
+    # "flax" on softmax (no flax layer) ran the jnp baseline: the legend says which
+    assert (plot.label("layer_norm", "flax"), plot.label("softmax", "flax")) == \
+        ("flax baseline", "jnp baseline (no flax layer)")
 
 
 def test_write_plots_names_charts_by_rows_when_a_file_mixes_row_counts(tmp_path):

@@ -26,7 +26,17 @@ IMPLS_ORDER = ("cuda", "pallas", "xla", "auto", "flax", "jnp", "copy")
 COLORS = {"cuda": "tab:green", "pallas": "tab:blue", "xla": "tab:orange", "auto": "tab:purple",
           "flax": "tab:red", "jnp": "tab:brown", "copy": "black"}
 MARKERS = {"cuda": "o", "pallas": "s", "xla": "^", "auto": "x", "flax": "D", "jnp": "v"}
-LABELS = {"flax": "flax (baseline)", "jnp": "jnp (baseline)", "copy": "copy (ceiling)"}
+LABELS = {"flax": "flax baseline", "jnp": "jnp baseline", "copy": "copy (ceiling)"}
+
+
+def label(op: str, impl: str) -> str:
+    """The legend entry of impl's line. "flax" on an op without a flax layer (softmax,
+    relu, cross_entropy) runs the jnp baseline (jax.nn, optax), and says so."""
+    if impl == "flax":
+        spec = specs().get(op)
+        if spec is not None and spec.flax is None:
+            return "jnp baseline (no flax layer)"
+    return LABELS.get(impl, impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +90,7 @@ def chart_data(records: Iterable[Record]) -> list[Chart]:
             cols = tuple(sorted(by_cols))
             pts = [by_cols[c] for c in cols]
             series.append(Series(
-                impl=impl, label=LABELS.get(impl, impl), cols=cols,
+                impl=impl, label=label(key[0], impl), cols=cols,
                 gbps=tuple(_value(r.gbps) for r in pts),
                 pct_of_copy=tuple(100 * _value(r.frac_of_copy) for r in pts)))
         if series:
