@@ -141,7 +141,8 @@ def _draw(chart: Chart, meta: dict, path: Path) -> None:
     top.set_ylabel("GB/s (minimum bytes / time)")
     top.set_ylim(bottom=0)
     bottom.set_ylabel("% of copy")
-    bottom.set_ylim(bottom=0)
+    pct = [v for s in chart.series for v in s.pct_of_copy if math.isfinite(v)]
+    bottom.set_ylim(0, max([110.0] + [1.08 * v for v in pct]))  # room above the 100 % line
     bottom.set_xlabel("cols")
     top.legend(loc="best", fontsize="small", ncols=2)
     spec = specs().get(chart.op)  # None: an op this version no longer benchmarks
