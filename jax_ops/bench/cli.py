@@ -196,7 +196,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """jax-ops-bench: argv the flags (default sys.argv[1:]); prints the tables and
-    summaries, writes --table/--json/--csv; returns the exit status."""
+    summaries, writes --table/--json/--csv/--plot (or only charts a saved run: --plot
+    with --from); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.plot is not None:
