@@ -1,9 +1,9 @@
 """`python -m jax_ops.info`: what this install of jax_ops runs on and with.
 
-Prints the versions (jax, jaxlib, flax, jax_ops, Python), the devices, whether the
-compiled extension loaded (and why not), whether it carries the CUDA kernels (and for
-which architectures), which measured dispatch table applies to the GPU (else
-heuristics) and where autotune results are cached. Paste it into bug reports.
+Prints the versions (jax, jaxlib, flax, jax_ops and where it is imported from, Python),
+the devices, whether the compiled extension loaded (and why not), whether it carries the
+CUDA kernels (and for which architectures), which measured dispatch table applies to the
+GPU (else heuristics) and where autotune results are cached. Paste it into bug reports.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import importlib.metadata
 import platform
 import sys
 import warnings
+from pathlib import Path
 
 
 def _version(dist: str) -> str:
@@ -31,7 +32,8 @@ def report() -> str:
         from jax_ops.core import cache, dispatch
 
     lines = ["versions:"]
-    lines += [f"  {name}: {_version(name)}" for name in ("jax", "jaxlib", "flax", "jax_ops")]
+    lines += [f"  {name}: {_version(name)}" for name in ("jax", "jaxlib", "flax")]
+    lines.append(f"  jax_ops: {_version('jax_ops')} ({Path(jax_ops.__file__).parent})")
     lines.append(f"  python: {platform.python_version()} ({sys.executable})")
 
     lines.append("devices:")

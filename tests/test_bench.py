@@ -1,5 +1,7 @@
 """The benchmark's own logic on CPU: the training-forward mode, the error measure, the
-CLI with its dispatch-table writer, and the public Python API (run, measure)."""
+CLI with its dispatch-table writer, the public Python API (run, measure) and the charts
+(--plot, --plot --from; matplotlib is a test dependency)."""
+import dataclasses
 import json
 
 import jax
@@ -121,3 +123,120 @@ def test_two_output_op_gets_a_cotangent_per_result():
     timed = [r for r in recs if r.impl in ("xla", "cuda")]
     assert {r.mode for r in timed} == {"fwd", "fwd_bwd"} and all(r.time_us > 0 for r in timed)
     assert bench.min_bytes("add_layer_norm", "fwd", 64, 96, "f32") == 4 * 64 * 96 * 4 + 2 * 96 * 4
+
+
+# ----------------------------------------------------------------- charts ----
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _pngs(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.png"))}
+
+
+def test_cli_plot_when_measuring_and_from_the_saved_json(tmp_path):
+    """--plot writes a valid PNG per (op, mode, dtype), and --plot --from redraws the
+    same charts from the --json file of that run."""
+    out = tmp_path / "r.json"
+    assert bench.main(["--op", "rms_norm", "--rows", "64", "--cols", "32,128", "--mode",
+                       "fwd,fwd_bwd", "--impl", "xla,jnp", "--repeats", "1", "--dtype", "f32",
+                       "--footprint-mb", "1", "--json", str(out),
+                       "--plot", str(tmp_path / "measured")]) == 0
+    measured = _pngs(tmp_path / "measured")
+    assert set(measured) == {"rms_norm_fwd_f32.png", "rms_norm_fwd_bwd_f32.png"}
+    for name, data in measured.items():
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
+    assert bench.main(["--plot", str(tmp_path / "redrawn"), "--from", str(out)]) == 0
+    redrawn = _pngs(tmp_path / "redrawn")
+    assert set(redrawn) == set(measured)
+    # Same records (JSON floats round-trip exactly), same metadata: the same pixels.
+    assert redrawn == measured
+
+
+def test_cli_plot_from_a_missing_or_invalid_file_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "nope.json"
+    assert bench.main(["--plot", str(tmp_path / "p"), "--from", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert "--from" in err and "no such file" in err and "nope.json" in err, err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert bench.main(["--plot", str(tmp_path / "p"), "--from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--from" in err and "is not JSON" in err, err
+    table = tmp_path / "table.json"  # JSON, but a dispatch table, not a --json result
+    table.write_text(json.dumps({"device_kind": "cpu", "entries": []}))
+    assert bench.main(["--plot", str(tmp_path / "p"), "--from", str(table)]) == 2
+    err = capsys.readouterr().err
+    assert '"records"' in err and "device_kind" in err, err
+    assert not (tmp_path / "p").exists() or not list((tmp_path / "p").iterdir())
+    with pytest.raises(SystemExit):  # --from only redraws: without --plot it is refused
+        bench.main(["--from", str(table)])
+    assert "--from" in capsys.readouterr().err
+
+
+def test_chart_data_points_are_the_json_numbers(tmp_path):
+    """Each line of each chart is its implementation's (cols, gbps, 100 * frac_of_copy)
+    from the JSON, in increasing cols; an errored size is a gap (NaN); copy is at 100 %."""
+    records = [
+        bench.Record("softmax", "fwd", "bf16", 256, cols, impl, "wall", 2, 1000 * cols,
+                     time_us=t, gbps=g, frac_of_copy=f)
+        for cols, impl, t, g, f in [
+            (512, "copy", 1.0, 512.0, 1.0), (128, "copy", 0.5, 256.0, 1.0),
+            (512, "cuda", 2.0, 256.0, 0.5), (128, "cuda", 0.25, 512.0, 2.0),
+            (512, "xla", None, None, None), (128, "xla", 1.0, 128.0, 0.5),
+            (128, "mine", 4.0, 32.0, 0.125),  # a name the chart has no colour for
+            (128, "pallas", None, None, None)]]  # failed everywhere: no line
+    records.append(bench.Record("softmax", "bwd", "bf16", 256, 128, "xla", "wall", 2, 10,
+                                time_us=1.0, gbps=10.0, frac_of_copy=None))
+    path = tmp_path / "r.json"
+    bench.write_json(path, {"device_kind": "cpu"}, records)
+    meta, loaded = bench.read_json(path)
+    assert meta == {"device_kind": "cpu"} and loaded == records
+    raw = json.loads(path.read_text())["records"]
+    charts = bench.chart_data(loaded)
+    assert [(c.op, c.mode, c.dtype, c.rows) for c in charts] == [("softmax", "fwd", "bf16", 256),
+                                                                 ("softmax", "bwd", "bf16", 256)]
+    fwd, bwd = charts
+    assert [s.impl for s in fwd.series] == ["cuda", "xla", "copy", "mine"]
+    for s in fwd.series:
+        mine = sorted((r for r in raw if r["mode"] == "fwd" and r["impl"] == s.impl),
+                      key=lambda r: r["cols"])
+        assert s.cols == tuple(r["cols"] for r in mine)
+        expect_gbps = [np.nan if r["gbps"] is None else r["gbps"] for r in mine]
+        expect_pct = [np.nan if r["frac_of_copy"] is None else 100 * r["frac_of_copy"] for r in mine]
+        np.testing.assert_array_equal(s.gbps, expect_gbps)
+        np.testing.assert_array_equal(s.pct_of_copy, expect_pct)
+    assert fwd.series[2].pct_of_copy == (100.0, 100.0)
+    assert fwd.filename() == "softmax_fwd_bf16.png"
+    (xla_bwd,) = bwd.series
+    assert xla_bwd.gbps == (10.0,) and np.isnan(xla_bwd.pct_of_copy[0])
+    with pytest.raises(TypeError, match="records: expected jax_ops.bench.Record"):
+        bench.chart_data(raw)
+    from jax_ops.bench import plot
+    assert [s.label for s in fwd.series] == ["cuda", "xla", "copy (ceiling)", "mine"]
+    # "flax" on softmax (no flax layer) ran the jnp baseline: the legend says which
+    assert (plot.label("layer_norm", "flax"), plot.label("softmax", "flax")) == \
+        ("flax baseline", "jnp baseline (no flax layer)")
+
+
+def test_write_plots_names_charts_by_rows_when_a_file_mixes_row_counts(tmp_path):
+    records = [bench.Record("relu", "fwd", "f32", rows, 64, impl, "wall", 2, 100,
+                            time_us=1.0, gbps=1.0, frac_of_copy=1.0)
+               for rows in (32, 64) for impl in ("copy", "xla")]
+    paths = bench.write_plots(records, {}, tmp_path / "charts")
+    assert sorted(p.name for p in paths) == ["relu_fwd_f32_rows32.png", "relu_fwd_f32_rows64.png"]
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)
+    with pytest.raises(ValueError, match="no timed record"):
+        bench.write_plots([dataclasses.replace(records[0], time_us=None)], {}, tmp_path / "x")
+
+
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys):
+    """A missing matplotlib is reported at once, naming the extra, and nothing is measured."""
+    import sys
+
+    from jax_ops.bench import cli
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(cli, "run_config", lambda cfg: pytest.fail("measured without matplotlib"))
+    assert bench.main(["--op", "relu", "--rows", "8", "--cols", "32", "--plot", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "jax_ops[plot]" in err, err

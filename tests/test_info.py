@@ -1,4 +1,5 @@
-"""The loud extension-import failure (jax_ops/_extension.py) and `python -m jax_ops.info`.
+"""The loud extension-import failure (jax_ops/_extension.py), `python -m jax_ops.info`,
+and which jax_ops the tests import (CI tests the installed wheel, not the checkout).
 
 Both run in a subprocess: a failed `import jax_ops` is simulated there by putting
 None at sys.modules["jax_ops._ffi"] (so `from jax_ops import _ffi` raises ImportError),
@@ -6,11 +7,15 @@ and jax_ops imports only once per process.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +93,35 @@ def test_info_reports_a_broken_extension():
     proc = _run(code=BREAK_EXTENSION + "from jax_ops import info; info.main()")
     assert "loaded: no (ModuleNotFoundError: import of jax_ops._ffi halted" in proc.stdout, proc.stdout
     assert "CUDA kernels built: no" in proc.stdout, proc.stdout
+
+
+def test_ci_tests_the_installed_wheel_not_the_checkout():
+    """CI's test runs (under .ci/installed-env: the README's test command and stage 2)
+    must exercise the wheel installed into the venv: pytest's rootdir, the working
+    directory or an editable install could otherwise put the checkout's jax_ops first on
+    sys.path, and CI would pass without testing what users install. The wrapper sets
+    JAX_OPS_EXPECT_INSTALLED=1 and hides nvcc; elsewhere this test is skipped, saying
+    where jax_ops comes from (-ra prints it)."""
+    import jax_ops
+    from jax_ops import _extension
+    package = Path(jax_ops.__file__).resolve().parent
+    if os.environ.get("JAX_OPS_EXPECT_INSTALLED") != "1":
+        pytest.skip(f"jax_ops imported from {package}; JAX_OPS_EXPECT_INSTALLED=1 "
+                    f"(.ci/installed-env) checks that it is an installed wheel")
+    print(f"jax_ops imported from {package}")
+    checkout = Path(__file__).resolve().parents[1]
+    site = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    assert package != checkout / "jax_ops", f"the tests import the checkout's jax_ops ({package})"
+    assert package.parent in site, \
+        f"jax_ops imported from {package}, not from this venv's site-packages {sorted(map(str, site))}"
+    dist = importlib.metadata.distribution("jax_ops")
+    origin = json.loads(dist.read_text("direct_url.json") or "{}")
+    assert "archive_info" in origin and origin.get("url", "").endswith(".whl"), \
+        f"jax_ops was not installed from a wheel file: its direct_url.json is {origin}"
+    installed = {f.as_posix() for f in dist.files or ()}
+    assert "jax_ops/__init__.py" in installed, sorted(installed)[:20]
+    assert _extension.IMPORT_ERROR is None, f"the wheel's extension does not load: {_extension.IMPORT_ERROR}"
+    ffi = Path(_extension._ffi.__file__).resolve()
+    assert ffi.parent == package and f"jax_ops/{ffi.name}" in installed, \
+        f"the extension {ffi} is not the wheel's (package {package})"
+    assert shutil.which("nvcc") is None, f"nvcc is on PATH: {shutil.which('nvcc')}"

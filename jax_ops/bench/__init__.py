@@ -11,16 +11,17 @@ input sets, modes, minimum bytes, timing).
 Modules: specs (the ops, {name: BenchSpec}: from the op declarations' `Op(bench=...)`
 and per-family sections), timing (timers, input sets rotated past L2, the copy
 ceiling, measure), runner (implementations x modes, --check, the sweep), report
-(Record, tables, summaries, JSON/CSV, metadata), tables (the dispatch-table writer)
-and cli (`main`). What this module exports is the public API; benchmarks/*.py use
-only it.
+(Record, tables, summaries, JSON/CSV, metadata), tables (the dispatch-table writer),
+plot (bandwidth charts, matplotlib) and cli (`main`). What this module exports is the
+public API; benchmarks/*.py use only it.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jax_ops.bench.plot import chart_data, write_plots
 from jax_ops.bench.report import (Record, format_summaries, format_tables, git_commit, log,
-                                  short_error, write_csv, write_json)
+                                  read_json, short_error, write_csv, write_json)
 from jax_ops.bench.runner import (CPU_DEFAULTS, GPU_DEFAULTS, check, make_config, make_op,
                                   mode_args, per_set_fn, rel_err, run_config, timed_call,
                                   validate)
@@ -39,7 +40,9 @@ __all__ = [
     "copy_us", "get_timer", "check", "rel_err", "short_error", "MB", "GB",
     "GPU_DEFAULTS", "CPU_DEFAULTS",
     # files
-    "git_commit", "write_json", "write_csv", "write_table",
+    "git_commit", "write_json", "read_json", "write_csv", "write_table",
+    # charts (matplotlib)
+    "write_plots", "chart_data",
 ]
 
 

@@ -5,7 +5,8 @@
               relu|add_relu|batch_norm_relu|batch_norm_add_relu]
         [--impl cuda,pallas,xla,auto,flax,jnp] [--dtype bf16|f32|f16] [--rows N]
         [--cols 32,64,...] [--mode fwd,fwd_bwd,bwd] [--repeats 5] [--check]
-        [--json [PATH]] [--csv PATH] [--table PATH]
+        [--json [PATH]] [--csv PATH] [--table PATH] [--plot DIR]
+    python -m jax_ops.bench --plot DIR --from RESULTS.json
 
 Ops ("--op", comma list) and their input sets (x, params, dy), x and dy of shape
 (rows, cols) in the --dtype:
@@ -99,6 +100,11 @@ training forward, fwd_bwd - bwd); softmax and log_softmax fwd and bwd only (thei
 training forward is the inference forward); softmax_mask and softmax_causal nothing
 (they run the softmax kernels).
 
+--plot DIR writes a PNG per (op, mode, dtype) into DIR (jax_ops/bench/plot.py): GB/s and
+% of copy against cols (log2 axis), a line per implementation, baseline and the copy
+ceiling. With --from RESULTS.json (a file --json wrote) it charts that run instead of
+measuring (the measurement flags are then ignored). Needs matplotlib (extra "plot").
+
 Python use: jax_ops.bench (its __init__) has the same run as a function, `run(...)`,
 and the pieces for one's own microbenchmarks (`measure`, `min_bytes`, ...).
 """
@@ -109,8 +115,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jax_ops.bench import plot
 from jax_ops.bench.report import (default_json_path, format_summaries, format_tables, log,
-                                  metadata, write_csv, write_json)
+                                  metadata, read_json, write_csv, write_json)
 from jax_ops.bench.runner import make_config, run_config
 from jax_ops.bench.specs import DTYPES, IMPLS, MODES, specs
 from jax_ops.bench.tables import write_table
@@ -162,7 +169,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--table", default=None, metavar="PATH",
                    help="write (merge into) a dispatch table: the fwd and bwd times of "
                         "cuda/pallas/xla per shape, as jax_ops/tables/<gpu>.json expects")
+    p.add_argument("--plot", default=None, metavar="DIR",
+                   help="write a PNG per (op, mode, dtype) into DIR: GB/s and %% of copy "
+                        "against cols (needs matplotlib: extra 'plot')")
+    p.add_argument("--from", dest="from_json", default=None, metavar="PATH",
+                   help="with --plot: chart the results JSON at PATH (what --json writes) "
+                        "instead of measuring")
     args = p.parse_args(argv)
+    if args.from_json is not None:
+        if args.plot is None:
+            p.error(f"--from {args.from_json} needs --plot DIR (it only redraws charts)")
+        clash = [f for f, v in (("--json", args.json), ("--csv", args.csv),
+                                ("--table", args.table)) if v is not None]
+        if clash:
+            p.error(f"--from reads a saved run; {', '.join(clash)} need a measurement")
+        args.config = None
+        return args
     if args.repeats < 1 or (args.rows or 1) < 1 or any(c < 1 for c in args.cols or ()):
         p.error("--repeats, --rows and --cols must be positive")
     args.config = make_config(args.op, dtypes=args.dtype, rows=args.rows, cols=args.cols,
@@ -174,9 +196,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """jax-ops-bench: argv the flags (default sys.argv[1:]); prints the tables and
-    summaries, writes --table/--json/--csv; returns the exit status."""
+    summaries, writes --table/--json/--csv/--plot (or only charts a saved run: --plot
+    with --from); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.plot is not None:
+        try:  # before measuring: a run must not end without its charts
+            plot.require_matplotlib()
+        except ImportError as e:
+            return _fail(str(e))
+    if args.from_json is not None:
+        try:
+            meta, records = read_json(Path(args.from_json), "--from")
+            paths = plot.write_plots(records, meta, Path(args.plot))
+        except (OSError, ValueError) as e:
+            return _fail(str(e))
+        log(f"wrote {len(paths)} charts into {args.plot}")
+        return 0
     cfg = args.config
     meta = metadata(cfg, argv)
     log(f"jax {meta['jax_version']} on {meta['device_kind']} ({meta['platform']}), timer "
@@ -198,7 +234,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.csv:
         write_csv(Path(args.csv), records)
         log(f"wrote {args.csv}")
+    if args.plot is not None:
+        try:
+            paths = plot.write_plots(records, meta, Path(args.plot))
+        except (OSError, ValueError) as e:
+            return _fail(str(e))
+        log(f"wrote {len(paths)} charts into {args.plot}")
     return 0
+
+
+def _fail(message: str) -> int:
+    """An error the user can act on: one line on stderr, exit status 2 (as argparse)."""
+    print(f"jax-ops-bench: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -374,6 +374,39 @@ def write_json(path: Path, meta: dict, records: list[Record]) -> None:
                                 "records": [dataclasses.asdict(r) for r in records]}, indent=1))
 
 
+def read_json(path: Path, argument: str = "path") -> tuple[dict, list[Record]]:
+    """(metadata, records) of a file write_json wrote (`jax-ops-bench --json PATH`).
+    argument: how the caller names `path` in errors (the CLI: "--from"). FileNotFoundError
+    for a missing file; ValueError naming the argument, what was expected and what the file
+    holds when it is not such a file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{argument}: no such file {str(path)!r} (expected the JSON "
+                                f"that `jax-ops-bench --json PATH` writes)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{argument}: {str(path)!r} is not JSON ({e}); expected the file "
+                         f"that `jax-ops-bench --json PATH` writes") from None
+    if not (isinstance(data, dict) and isinstance(data.get("metadata"), dict)
+            and isinstance(data.get("records"), list)):
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{argument}: {str(path)!r} is not a benchmark result: expected an "
+                         f"object with \"metadata\" (object) and \"records\" (list); got {got}")
+    fields = {f.name for f in dataclasses.fields(Record)}
+    required = [f.name for f in dataclasses.fields(Record)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    records = []
+    for i, r in enumerate(data["records"]):
+        missing = [k for k in required if not isinstance(r, dict) or k not in r]
+        if missing:
+            got = sorted(r) if isinstance(r, dict) else type(r).__name__
+            raise ValueError(f"{argument}: record {i} of {str(path)!r} lacks {missing}; "
+                             f"expected the fields of jax_ops.bench.Record, got {got}")
+        records.append(Record(**{k: v for k, v in r.items() if k in fields}))
+    return data["metadata"], records
+
+
 def write_csv(path: Path, records: list[Record]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
