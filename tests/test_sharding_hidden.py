@@ -5,7 +5,8 @@ jnp path. Values and gradients against float64 references computed here, the com
 HLO's collectives (all-reduce / all-gather of O(rows × devices) or O(cols) elements, no
 all-to-all or collective-permute, nothing activation-sized) and, for cuda, the stage
 kernels' custom calls in the per-device program. Also one run across two processes
-(jax.distributed, 2 x 4 CPU devices)."""
+(jax.distributed, 2 x 4 CPU devices), and the stages on one device with the row split
+into pieces by hand (on a GPU: the CUDA kernels, every tier)."""
 from __future__ import annotations
 
 import math
@@ -25,10 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_ops
 from support import need
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 
 BF16 = jnp.bfloat16
-TOL = {jnp.dtype(jnp.float32): 2e-6, jnp.dtype(BF16): 1e-2}
+TOL = {jnp.dtype(jnp.float32): 2e-6, jnp.dtype(BF16): 1e-2, jnp.dtype(jnp.float16): 5e-3}
 NORM_STAGES = ("jax_ops_norm_partials", "jax_ops_norm_apply")
 NORM_BWD_STAGES = ("jax_ops_norm_bwd_partials", "jax_ops_norm_bwd_apply")
 SOFTMAX_STAGES = ("jax_ops_softmax_partials", "jax_ops_softmax_apply")
@@ -106,8 +107,9 @@ def check_hlo(text, *, limit, activation):
 def with_x64(fn):
     def run(*args):
         with jax.enable_x64(True):
-            args64 = [None if a is None else jnp.asarray(np.asarray(a, np.float64 if np.asarray(a).dtype != bool
-                                                                   else bool)) for a in args]
+            args64 = [None if a is None else
+                      jnp.asarray(np.asarray(a, bool if np.asarray(a).dtype == bool else np.float64))
+                      for a in args]
             return fn(*args64)
     return run
 
@@ -196,6 +198,7 @@ NORM_MESHES = [
 ]
 
 
+@needs8
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("impl", ["cuda", "xla"])
 @pytest.mark.parametrize("op", NORM_OPS)
@@ -237,6 +240,7 @@ NORM_EDGES = [
 ]
 
 
+@needs8
 @pytest.mark.parametrize("impl", ["cuda", "xla"])
 @pytest.mark.parametrize("op", NORM_OPS)
 @pytest.mark.parametrize("shape,mesh_shape,spec", NORM_EDGES, ids=lambda v: str(v))
@@ -251,6 +255,7 @@ def test_hidden_sharded_norm_shapes(shape, mesh_shape, spec, op, impl):
         assert set(NORM_STAGES) <= custom_calls(fwd_text) and set(NORM_BWD_STAGES) <= custom_calls(grad_text)
 
 
+@needs8
 @pytest.mark.parametrize("impl", ["cuda", "xla"])
 @pytest.mark.parametrize("op", ["layer_norm", "add_rms_norm"])
 def test_hidden_sharded_norm_empty_rows(op, impl):
@@ -269,6 +274,7 @@ def test_hidden_sharded_norm_empty_rows(op, impl):
     np.testing.assert_array_equal(np.asarray(g), np.zeros(64))
 
 
+@needs8
 def test_hidden_sharded_statistics_match_every_device():
     """The training forward's mean/rstd (combined on every device from the gathered
     partials) equal the float64 statistics of the whole rows."""
@@ -379,6 +385,7 @@ def run_softmax(op, impl, mesh, spec, x, mask, causal, dtype, scale=0.5):
     return jax.jit(fn).lower(*placed).compile().as_text(), grad.lower(*placed).compile().as_text()
 
 
+@needs8
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("impl", ["cuda", "xla"])
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -418,6 +425,7 @@ SOFTMAX_EDGES = [
 ]
 
 
+@needs8
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
 @pytest.mark.parametrize("impl", ["cuda", "xla"])
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -434,6 +442,7 @@ def test_hidden_sharded_softmax_shapes(shape, mesh_shape, spec, op, impl, causal
         assert set(SOFTMAX_BWD_STAGES) <= custom_calls(grad_text)
 
 
+@needs8
 def test_explicit_pallas_hidden_sharded():
     """implementation="pallas": the stages have no Pallas kernels, so dispatch chooses
     for them automatically; the result is still the op's."""
@@ -488,6 +497,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@needs8
 def test_multi_process_hidden_sharded_layer_norm(tmp_path):
     """Two processes x 4 CPU devices (jax.distributed, gloo collectives, coordinator on
     localhost): a hidden+batch-sharded layer_norm and its gradients equal the
@@ -534,3 +544,157 @@ def test_multi_process_hidden_sharded_layer_norm(tmp_path):
     np.testing.assert_allclose(got["y"], y, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got["gx"], gx, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["gs"], gs, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------- the stages on one device, split by hand ---
+# The per-device pipeline of the locals, with the row split into `pieces` column slices
+# on one device and the partials merged by the same helpers: on a GPU this runs the CUDA
+# stage kernels (every tier: lanes per row 1..32, a block per row for few long rows,
+# 16-byte packs and scalars, the column-tiled passes with their dscale/dbias partials).
+
+from jax_ops.core.sharding import merge_moment_parts, ordered_sum  # noqa: E402
+from jax_ops.ops import layer_norm as LN, softmax as SM  # noqa: E402
+
+# (rows, columns of a piece, pieces, dtype)
+SPLIT_NORM = [
+    (37, 1, 8, jnp.float32),
+    (64, 3, 4, BF16),
+    (130, 33, 2, jnp.float32),
+    (1, 264, 2, BF16),
+    (4096, 128, 2, BF16),          # many rows: column-tiled chunks
+    (300, 1024, 2, jnp.float16),   # 128 packs: 32 lanes a row
+    (3, 8192, 2, jnp.float32),     # few long rows: a block per row
+]
+
+
+def _pieces(a, n):
+    return jnp.split(a, n, axis=-1)
+
+
+@pytest.mark.parametrize("op", NORM_OPS)
+@pytest.mark.parametrize("rows,cols,pieces,dtype", SPLIT_NORM, ids=lambda v: str(v))
+def test_norm_stages_split_on_one_device(rows, cols, pieces, dtype, op):
+    need(op, "cuda")
+    H = cols * pieces
+    add, rms = op.startswith("add_"), "rms" in op
+    eps = 1e-5 if not rms else 1e-6
+    x, r = rnd((rows, H), 20, dtype, 3.0) + 1.0, rnd((rows, H), 21, dtype)
+    pdt = dtype if op == "layer_norm" else jnp.float32  # parameters in x's dtype or float32
+    scale, bias = (1 + 0.1 * rnd((H,), 22)).astype(pdt), (0.1 * rnd((H,), 23)).astype(pdt)
+    bias = None if rms else bias
+    dy, dh = rnd((rows, H), 24, dtype), (rnd((rows, H), 25, dtype) if add else None)
+
+    @jax.jit
+    def run(x, r, scale, bias, dy, dh):
+        kw = dict(implementation="cuda")
+        xs, rs = _pieces(x, pieces), (_pieces(r, pieces) if add else [None] * pieces)
+        ss, bs = _pieces(scale, pieces), (_pieces(bias, pieces) if bias is not None else [None] * pieces)
+        parts = [LN.PARTIALS.call(a, b, rms=rms, **kw) for a, b in zip(xs, rs)]
+        hs = [p[2] if add else a for p, a in zip(parts, xs)]
+        if rms:
+            mean, m2 = None, ordered_sum(jnp.stack([p[1] for p in parts]))
+        else:
+            mean, m2 = merge_moment_parts(jnp.stack([p[0] for p in parts]),
+                                          jnp.stack([p[1] for p in parts]), cols)
+        rstd = jax.lax.rsqrt(m2 / H + eps)
+        y = jnp.concatenate([LN.APPLY.call(h, mean, rstd, s_, b_, **kw)[0]
+                             for h, s_, b_ in zip(hs, ss, bs)], -1)
+        dys, dhs = _pieces(dy, pieces), (_pieces(dh, pieces) if add else [None] * pieces)
+        sums = [LN.BWD_PARTIALS.call(d, h, mean, rstd, s_, rms=rms, **kw) for d, h, s_ in zip(dys, hs, ss)]
+        sum_g = None if rms else ordered_sum(jnp.stack([p[0] for p in sums]))
+        sum_gx = ordered_sum(jnp.stack([p[1] for p in sums]))
+        outs = [LN.BWD_APPLY.call(d, e, h, mean, rstd, s_, sum_g, sum_gx, rms=rms, inv_n=1.0 / H,
+                                  want_dscale=True, want_dbias=not rms, **kw)
+                for d, e, h, s_ in zip(dys, dhs, hs, ss)]
+        dx = jnp.concatenate([o[0] for o in outs], -1)
+        ds = jnp.concatenate([o[1] for o in outs], -1)
+        db = None if rms else jnp.concatenate([o[2] for o in outs], -1)
+        return y, jnp.concatenate(hs, -1), dx, ds, db
+
+    y, h, dx, ds, db = run(x, r, scale, bias, dy, dh)
+    text = run.lower(x, r, scale, bias, dy, dh).compile().as_text()
+    assert {"jax_ops_norm_partials", "jax_ops_norm_apply", "jax_ops_norm_bwd_partials",
+            "jax_ops_norm_bwd_apply"} <= custom_calls(text)
+    h_rounded = (x + r) if add else x
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h_rounded, np.float32))
+
+    def ref(h64, s64, b64, dy64, dh64):
+        yy, vjp = jax.vjp(lambda h, s, b: ref_norm(h, s, b, eps=eps, rms=rms), h64, s64, b64)
+        g_h, g_s, g_b = vjp(dy64)
+        return yy, g_h + (0.0 if dh64 is None else dh64), g_s, g_b
+    want_y, want_dx, want_ds, want_db = with_x64(ref)(h_rounded, scale, bias, dy, dh)
+    tol = TOL[jnp.dtype(dtype)]
+    for name, g, w in (("y", y, want_y), ("dx", dx, want_dx), ("dscale", ds, want_ds),
+                       ("dbias", db, want_db)):
+        if w is not None:
+            assert rel_err(g, w) <= tol, f"{name}: {rel_err(g, w):.2e} > {tol}"
+
+
+# (batch, q, columns of a piece, pieces, dtype, mask kind, causal)
+SPLIT_SOFTMAX = [
+    (3, 5, 1, 8, jnp.float32, "bool", True),
+    (2, 16, 3, 4, BF16, "add", False),
+    (2, 24, 33, 2, jnp.float32, "add32", True),      # q < k, unaligned pieces
+    (8, 64, 128, 2, BF16, "bool", True),              # 16 packs: 4 lanes a row
+    (1, 2, 8192, 2, jnp.float32, "none", True),       # few long rows: a block per row
+    (4, 40, 16, 2, jnp.float16, "none", True),        # q > k: fully masked rows
+]
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("b,q,cols,pieces,dtype,mask_kind,causal", SPLIT_SOFTMAX, ids=lambda v: str(v))
+def test_softmax_stages_split_on_one_device(b, q, cols, pieces, dtype, mask_kind, causal, op):
+    need(op, "cuda")
+    K = cols * pieces
+    log = op == "log_softmax"
+    x = rnd((b, q, K), 30, dtype, 3.0)
+    if mask_kind == "bool":
+        mask = jax.random.bernoulli(jax.random.key(31), 0.7, (b, 1, K)).at[0, 0, 1:].set(False)
+    elif mask_kind in ("add", "add32"):
+        mask = rnd((b, q, K), 32, dtype if mask_kind == "add" else jnp.float32)
+        drop = jax.random.bernoulli(jax.random.key(33), 0.2, (b, q, K))
+        mask = jnp.where(drop, -jnp.inf, mask).astype(mask.dtype)
+    else:
+        mask = None
+    kind = "none" if mask is None else ("bool" if mask_kind == "bool" else "add")
+    scale = 0.7
+    dy = rnd((b, q, K), 34, dtype)
+
+    @jax.jit
+    def run(x, mask, dy):
+        kw = dict(scale=scale, causal=causal, mask_kind=kind, implementation="cuda")
+        xs = _pieces(x, pieces)
+        ms = _pieces(mask, pieces) if mask is not None else [None] * pieces
+        offs = [jnp.int32(K - q - i * cols) if causal else None for i in range(pieces)]
+        parts = [SM.PARTIALS.call(a, m, o, **kw) for a, m, o in zip(xs, ms, offs)]
+        mx, sm = SM.merge_max_sum_parts(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts]))
+        ys = [SM.APPLY.call(a, m, o, mx, sm, log=log, **kw)[0] for a, m, o in zip(xs, ms, offs)]
+        dys = _pieces(dy, pieces)
+        dot = ordered_sum(jnp.stack([SM.BWD_PARTIALS.call(y_, d, log=log, implementation="cuda")[0]
+                                     for y_, d in zip(ys, dys)]))
+        dxs = [SM.BWD_APPLY.call(y_, d, dot, scale=scale, log=log, implementation="cuda")[0]
+               for y_, d in zip(ys, dys)]
+        return jnp.concatenate(ys, -1), jnp.concatenate(dxs, -1)
+
+    y, dx = run(x, mask, dy)
+    text = run.lower(x, mask, dy).compile().as_text()
+    assert set(SOFTMAX_STAGES + SOFTMAX_BWD_STAGES) <= custom_calls(text)
+
+    def ref(x64, m64, dy64):
+        def f(v):
+            return ref_softmax(v, m64, scale=scale, log=log, causal=causal, mask_kind=kind)
+        yy = f(x64)
+        # the op's backward from y (log: masked entries -inf get no gradient)
+        yf = yy
+        if log:
+            live = jnp.isfinite(yf)
+            dot = jnp.sum(jnp.where(live, dy64, 0.0), -1, keepdims=True)
+            dz = jnp.where(live, dy64 - jnp.exp(yf) * dot, 0.0)
+        else:
+            dz = yf * (dy64 - jnp.sum(dy64 * yf, -1, keepdims=True))
+        return yy, scale * dz
+    want_y, want_dx = with_x64(ref)(x, mask, dy)
+    tol = TOL[jnp.dtype(dtype)]
+    assert rel_err(y, want_y) <= tol, f"y: {rel_err(y, want_y):.2e}"
+    # dx from the op's own y (rounded to x's dtype): the reference takes the float64 y
+    assert rel_err(dx, want_dx) <= max(tol, 1e-5), f"dx: {rel_err(dx, want_dx):.2e}"

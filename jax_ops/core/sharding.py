@@ -242,13 +242,17 @@ def ordered_sum(a):
     return total
 
 
-def merge_moments(mean, m2, axes, count: int):
-    """Mean and M2 (Σ (x − mean)²) of the union of the devices' parts along `axes`, from
-    each part's mean and M2 over `count` elements (the same count on every device: the
-    shards of a divisible axis): Chan's merge, exact."""
-    means, m2s = gather_parts([mean, m2], axes)
+def merge_moment_parts(means, m2s, count: int):
+    """Mean and M2 (Σ (x − mean)²) of the union of parts, from each part's mean and M2
+    over `count` elements (the same count for every part: the shards of a divisible
+    axis), stacked along the leading axis: Chan's merge in part order, exact."""
     total_mean = ordered_sum(means) / means.shape[0]
     return total_mean, ordered_sum(m2s + count * jnp.square(means - total_mean))
+
+
+def merge_moments(mean, m2, axes, count: int):
+    """merge_moment_parts of every device's part along the mesh axes `axes`."""
+    return merge_moment_parts(*gather_parts([mean, m2], axes), count)
 
 
 def spans_devices(ctx) -> bool:

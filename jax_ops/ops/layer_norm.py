@@ -3,6 +3,9 @@ the declaration (core/op.py) of layer_norm, rms_norm, add_layer_norm, add_rms_no
 
 Forward stage  jax_ops_norm_fwd(x, residual?, scale?, bias?) -> (y, h?, mean?, rstd?)
 Backward stage jax_ops_norm_bwd(dy, dh?, x, mean?, rstd, scale?) -> (dx, dscale?, dbias?)
+With the normalized axis sharded the per-device code (`_fwd_local`, `_bwd_local`) binds
+four more stages (partials, apply, bwd_partials, bwd_apply: "hidden-sharded stages"
+below) and combines their per-row partials across devices.
 
 Absent operands/results (no residual, no scale, no bias, statistics not wanted,
 RMSNorm's mean) are not bound. With a residual (add+norm) the forward also returns
@@ -523,14 +526,16 @@ BWD_PARTIALS = Stage("norm_bwd_partials", "bwd_partials", ("dy", "x", "mean?", "
                      ("sum_g?", "sum_gx"), op_of=_stage_op(lambda p: p["rms"], None),
                      abstract=_bwd_partials_abstract, reference=_bwd_partials_reference)
 BWD_APPLY = Stage("norm_bwd_apply", "bwd_apply",
-                  ("dy", "dh?", "x", "mean?", "rstd", "scale?", "sum_g?", "sum_gx"), ("dx", "dscale?", "dbias?"),
+                  ("dy", "dh?", "x", "mean?", "rstd", "scale?", "sum_g?", "sum_gx"),
+                  ("dx", "dscale?", "dbias?"),
                   op_of=_stage_op(lambda p: p["rms"], 1), abstract=_bwd_apply_abstract,
                   reference=_bwd_apply_reference)
 
 
 def _apply_workspace(call, operands, params):
     x = operands[2]
-    return core.ShapedArray(workspace_shape(x.shape, bool(params["want_dscale"] or params["want_dbias"])), _F32)
+    want = bool(params["want_dscale"] or params["want_dbias"])
+    return core.ShapedArray(workspace_shape(x.shape, want), _F32)
 
 
 _STAGE_KERNELS = {

@@ -2,6 +2,9 @@
 
 Forward stage  jax_ops_softmax_fwd(x, mask?) -> (y,)
 Backward stage jax_ops_softmax_bwd(y, dy) -> (dx,)
+With the softmax axis sharded the per-device code (`_fwd_local`, `_bwd_local`) binds four
+more stages (partials, apply, bwd_partials, bwd_apply: "hidden-sharded stages" below)
+and combines their per-row partials across devices.
 
 Params: axis (negative: counted from the end, so batching never shifts it), scale,
 log (log_softmax), causal, mask_kind ("none" | "bool" | "add"). The mask operand,
@@ -237,9 +240,10 @@ def _variant(params):
 
 # ---------------------------------------------------------------- sharding ---
 # Rows (every axis but the softmax axis) sharded: the kernel runs on each device's
-# rows. The softmax axis sharded: per-device max and sum-exp, pmax/psum over its mesh
-# axes (O(rows) data), the local columns normalized (jnp). Causal with the query or key
-# axis sharded: jnp with the shard's global row/column offsets.
+# rows. The softmax axis sharded: per-device max and sum-exp (the partials stage, or jnp
+# for xla), combined over its mesh axes (O(rows) data), then the local columns written
+# (the apply stage, or jnp). Causal with the query or key axis sharded: the device's
+# global row/column offsets.
 
 def _needs_local(layout, params):
     if layout.col_axes:
@@ -286,14 +290,19 @@ def _causal_offset(layout, x):
     return offset
 
 
-def _combine_max_sum(m, s, axes):
-    """The whole rows' (max, Σ exp(z − max)) from every device's, merged in device order."""
-    ms, ss = gather_parts([m, s], axes)
+def merge_max_sum_parts(ms, ss):
+    """The whole rows' (max, Σ exp(z − max)) from the parts' (stacked along the leading
+    axis), merged in part order."""
     top = ms[0]
     for i in range(1, ms.shape[0]):
         top = jnp.maximum(top, ms[i])
     shift = jnp.where(top == -jnp.inf, 0.0, top)
     return top, ordered_sum(jnp.where(ms == -jnp.inf, ss, ss * jnp.exp(ms - shift)))
+
+
+def _combine_max_sum(m, s, axes):
+    """merge_max_sum_parts of every device's along the mesh axes `axes`."""
+    return merge_max_sum_parts(*gather_parts([m, s], axes))
 
 
 def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, implementation):
