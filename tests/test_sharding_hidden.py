@@ -698,3 +698,25 @@ def test_softmax_stages_split_on_one_device(b, q, cols, pieces, dtype, mask_kind
     assert rel_err(y, want_y) <= tol, f"y: {rel_err(y, want_y):.2e}"
     # dx from the op's own y (rounded to x's dtype): the reference takes the float64 y
     assert rel_err(dx, want_dx) <= max(tol, 1e-5), f"dx: {rel_err(dx, want_dx):.2e}"
+
+
+def test_stage_errors():
+    """The stages validate their operands with errors naming them."""
+    x = jnp.ones((4, 8), jnp.float32)
+    rows = jnp.ones((4,), jnp.float32)
+    with pytest.raises(ValueError, match=r"residual must match x"):
+        LN.PARTIALS.call(x, jnp.ones((4, 8), BF16), rms=False, implementation="xla")
+    with pytest.raises(ValueError, match=r"rstd must be float32 of shape \(4,\)"):
+        LN.APPLY.call(x, rows, jnp.ones((4,), BF16), None, None, implementation="xla")
+    with pytest.raises(ValueError, match=r"sum_gx must be float32 of shape \(4,\)"):
+        LN.BWD_APPLY.call(x, None, x, rows, rows, None, rows, jnp.ones((8,), jnp.float32), rms=False,
+                          inv_n=0.125, want_dscale=False, want_dbias=False, implementation="xla")
+    with pytest.raises(ValueError, match=r"want_dscale needs scale"):
+        LN.BWD_APPLY.call(x, None, x, rows, rows, None, rows, rows, rms=False, inv_n=0.125,
+                          want_dscale=True, want_dbias=False, implementation="xla")
+    with pytest.raises(ValueError, match=r"offset is the causal rule's int32 scalar"):
+        SM.PARTIALS.call(x, None, jnp.int32(0), scale=1.0, causal=False, mask_kind="none",
+                         implementation="xla")
+    with pytest.raises(ValueError, match=r"max must be float32 of shape \(4,\)"):
+        SM.APPLY.call(x, None, None, jnp.ones((4, 1), jnp.float32), rows, scale=1.0, log=False,
+                      causal=False, mask_kind="none", implementation="xla")
