@@ -255,4 +255,263 @@ inline std::string cuda_error_message(const char* what, cudaError_t err) {
   return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
 }
 
+
+// ===================================================================================
+// Row-partial and apply skeletons of the hidden-sharded stages (issue 23).
+// When a row op's row (the normalized axis) is split over devices, each device reduces
+// its columns of every row to a small accumulator (the "partials" stages), the
+// accumulators are combined across devices (jax_ops/ops: O(rows) data), and an
+// elementwise pass finishes with the combined per-row constants (the "apply" stages).
+// layer_norm.cuh and softmax.cuh supply the policies. A policy R has
+//   Args, Acc (float fields), Ctx (per-row constants),
+//   kPack, rows(a), nvec(a): elements a pack, rows, packs a row; init(): the neutral Acc;
+//   ctx(a, row);
+//   reductions: add(a, ctx, row, v, acc) folds pack v of the row into acc,
+//     merge(a, lo, hi): lo ⊕= hi (lo from the lower lanes: one fixed order),
+//     store(a, row, acc);
+//   maps: apply(a, ctx, row, v) writes pack v of the row.
+// Column-tiled passes (policy E: Args, Col, kPack, kPartials, rows(a), nvec(a), column(a, v),
+// apply(a, col, row, v, p0, p1)): per-column constants loaded once per thread, optional
+// per-column float32 partial sums over a chunk of rows (no atomics).
+// ===================================================================================
+
+// An accumulator of 32-bit words exchanged with the lane `off` away in its WIDTH group.
+template <typename Acc>
+__device__ __forceinline__ Acc shfl_xor_words(const Acc& in, int off, int width) {
+  static_assert(sizeof(Acc) % 4 == 0, "accumulators are 32-bit words");
+  constexpr int kWords = int(sizeof(Acc) / 4);
+  uint32_t w[kWords];
+  memcpy(w, &in, sizeof(Acc));
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], off, width);
+  Acc out;
+  memcpy(&out, w, sizeof(Acc));
+  return out;
+}
+
+// Merge over aligned groups of WIDTH lanes, the lower lanes' state first: every lane of
+// the group ends with the bitwise same accumulator.
+template <typename R, int WIDTH>
+__device__ __forceinline__ typename R::Acc group_combine(const typename R::Args& a, typename R::Acc acc) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) {
+    typename R::Acc o = shfl_xor_words(acc, off, WIDTH);
+    if (lane & off) {
+      R::merge(a, o, acc);
+      acc = o;
+    } else {
+      R::merge(a, acc, o);
+    }
+  }
+  return acc;
+}
+
+constexpr int kRowsThreads = 128;      // threads of the group-per-row kernels
+constexpr int kRowsBlockThreads = 512;  // at most, block-per-row reductions
+constexpr int kMapBlockThreads = 256;   // elementwise row passes
+constexpr int kTileThreads = 256;       // column-tiled passes
+
+// Loads in flight a lane: four 16-byte packs; unvectorized rows (kPack 1) two (four
+// made ptxas spill the add+norm partials kernel at 32 registers).
+template <typename R>
+constexpr int kReduceUnroll = R::kPack > 1 ? 4 : 2;
+
+// A group of WIDTH lanes (1..32) per row, each lane folding packs glane, glane + WIDTH, ...
+template <typename R, int WIDTH>
+__global__ void __launch_bounds__(kRowsThreads) rows_reduce_group_kernel(const typename R::Args a) {
+  constexpr int ROWS_PER_WARP = 32 / WIDTH;
+  const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
+  const int64_t warps_total = int64_t(gridDim.x) * (kRowsThreads / 32);
+  const int64_t nvec = R::nvec(a);
+  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
+  for (int64_t tile = int64_t(blockIdx.x) * (kRowsThreads / 32) + threadIdx.x / 32;
+       tile * ROWS_PER_WARP < R::rows(a); tile += warps_total) {
+    const int64_t row = tile * ROWS_PER_WARP + group;
+    typename R::Acc acc = R::init();
+    if (row < R::rows(a)) {
+      const typename R::Ctx c = R::ctx(a, row);
+#pragma unroll(kReduceUnroll<R>)
+      for (int64_t v = glane; v < nvec; v += WIDTH) R::add(a, c, row, v, acc);
+    }
+    acc = group_combine<R, WIDTH>(a, acc);
+    if (row < R::rows(a) && glane == 0) R::store(a, row, acc);
+  }
+}
+
+// A block per row (long rows, few of them): warps merged through shared memory in
+// warp order.
+template <typename R>
+__global__ void __launch_bounds__(kRowsBlockThreads) rows_reduce_block_kernel(const typename R::Args a) {
+  using Acc = typename R::Acc;
+  __shared__ __align__(16) unsigned char red_raw[(kRowsBlockThreads / 32) * sizeof(Acc)];
+  Acc* red = reinterpret_cast<Acc*>(red_raw);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  const int64_t nvec = R::nvec(a);
+  for (int64_t row = blockIdx.x; row < R::rows(a); row += gridDim.x) {
+    Acc acc = R::init();
+    const typename R::Ctx c = R::ctx(a, row);
+#pragma unroll(kReduceUnroll<R>)
+    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) R::add(a, c, row, v, acc);
+    acc = group_combine<R, 32>(a, acc);
+    if (lane == 0) red[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+      Acc w = lane < nwarps ? red[lane] : R::init();
+      w = group_combine<R, 32>(a, w);
+      if (lane == 0) R::store(a, row, w);
+    }
+    __syncthreads();  // red is rewritten by the next row
+  }
+}
+
+// Elementwise over rows: `width` lanes per row (a power of two dividing the block), the
+// per-row constants computed once per lane and row.
+template <typename R>
+__global__ void __launch_bounds__(kMapBlockThreads) rows_map_kernel(const typename R::Args a, int width) {
+  const int64_t nvec = R::nvec(a);
+  const int glane = threadIdx.x % width;
+  const int64_t groups_total = int64_t(gridDim.x) * (blockDim.x / width);
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x / width) + threadIdx.x / width; row < R::rows(a);
+       row += groups_total) {
+    const typename R::Ctx c = R::ctx(a, row);
+#pragma unroll 4
+    for (int64_t v = glane; v < nvec; v += width) R::apply(a, c, row, v);
+  }
+}
+
+// Column-tiled: block (TX column packs) x (TY = 256 / TX rows) over one chunk of rows;
+// thread (tx, ty) owns column pack blockIdx.x * TX + tx and walks rows r0 + ty, + TY, ...
+// With E::kPartials, its float32 per-column sums (two per element) are reduced over ty
+// in order and written to row blockIdx.y of part0/part1 ([chunks, cols]; null: not wanted),
+// which the op's own column-sum kernel then adds up in a fixed order.
+template <typename E>
+__global__ void __launch_bounds__(kTileThreads) cols_tiled_kernel(const typename E::Args a, int tx_log2,
+                                                                 int64_t chunk_rows, float* part0, float* part1) {
+  constexpr int PACK = E::kPack;
+  const int tx = threadIdx.x & ((1 << tx_log2) - 1), ty = threadIdx.x >> tx_log2;
+  const int TY = kTileThreads >> tx_log2;
+  const int64_t nvec = E::nvec(a);
+  const int64_t v = (int64_t(blockIdx.x) << tx_log2) + tx;
+  const int64_t r0 = int64_t(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < E::rows(a) ? r0 + chunk_rows : E::rows(a);
+  float p0[PACK], p1[PACK];
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) p0[k] = p1[k] = 0.f;
+  if (v < nvec) {
+    const typename E::Col col = E::column(a, v);
+#pragma unroll 4
+    for (int64_t row = r0 + ty; row < r1; row += TY) E::apply(a, col, row, v, p0, p1);
+  }
+  if constexpr (E::kPartials) {
+    __shared__ float red[2][kTileThreads * PACK];
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      red[0][threadIdx.x * PACK + k] = p0[k];
+      red[1][threadIdx.x * PACK + k] = p1[k];
+    }
+    __syncthreads();
+    if (ty == 0 && v < nvec) {
+      const int64_t cols = nvec * PACK;
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        float s0 = 0.f, s1 = 0.f;
+        for (int j = 0; j < TY; ++j) {
+          s0 += red[0][((j << tx_log2) + tx) * PACK + k];
+          s1 += red[1][((j << tx_log2) + tx) * PACK + k];
+        }
+        if (part0) part0[int64_t(blockIdx.y) * cols + v * PACK + k] = s0;
+        if (part1) part1[int64_t(blockIdx.y) * cols + v * PACK + k] = s1;
+      }
+    }
+  }
+}
+
+// -- launchers of the skeletons --
+
+// Lanes per row for about four packs a lane (1..32), as launch(WIDTH constant).
+template <typename Launch>
+cudaError_t dispatch_row_width(int64_t nvec, Launch&& launch) {
+  const int64_t w = nvec / 4;
+  if (w < 2) return launch(std::integral_constant<int, 1>{});
+  if (w < 4) return launch(std::integral_constant<int, 2>{});
+  if (w < 8) return launch(std::integral_constant<int, 4>{});
+  if (w < 16) return launch(std::integral_constant<int, 8>{});
+  if (w < 32) return launch(std::integral_constant<int, 16>{});
+  return launch(std::integral_constant<int, 32>{});
+}
+
+// Long rows too few to fill the GPU with a warp each get a block each.
+inline bool rows_want_blocks(int64_t rows, int64_t nvec) {
+  return nvec > 512 && rows < int64_t(sm_count()) * 8;
+}
+
+template <typename R>
+cudaError_t launch_rows_reduce(const typename R::Args& a, cudaStream_t stream) {
+  if (R::rows(a) == 0) return cudaSuccess;
+  const int64_t nvec = R::nvec(a);
+  if (rows_want_blocks(R::rows(a), nvec)) {
+    const int64_t want = ((nvec + 7) / 8 + 31) / 32 * 32;
+    const int threads = int(want < 128 ? 128 : want > kRowsBlockThreads ? kRowsBlockThreads : want);
+    const int64_t blocks = R::rows(a);  // fewer than 8 per SM by rows_want_blocks
+    rows_reduce_block_kernel<R><<<unsigned(blocks), threads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  return dispatch_row_width(nvec, [&](auto width) {
+    constexpr int WIDTH = decltype(width)::value;
+    constexpr int rows_per_block = (kRowsThreads / WIDTH);
+    const int64_t needed = (R::rows(a) + rows_per_block - 1) / rows_per_block;
+    const int64_t cap = int64_t(sm_count()) * 64;
+    rows_reduce_group_kernel<R, WIDTH><<<unsigned(needed < cap ? needed : cap), kRowsThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+template <typename R>
+cudaError_t launch_rows_map(const typename R::Args& a, cudaStream_t stream) {
+  if (R::rows(a) == 0) return cudaSuccess;
+  const int64_t nvec = R::nvec(a);
+  int width = kMapBlockThreads;  // a block per row
+  if (!rows_want_blocks(R::rows(a), nvec)) {
+    width = 1;
+    while (width < 32 && int64_t(width) * 8 <= nvec) width *= 2;  // about 4 packs a lane
+  }
+  const int rows_per_block = kMapBlockThreads / width;
+  const int64_t needed = (R::rows(a) + rows_per_block - 1) / rows_per_block;
+  const int64_t cap = int64_t(sm_count()) * 32;
+  rows_map_kernel<R><<<unsigned(needed < cap ? needed : cap), kMapBlockThreads, 0, stream>>>(a, width);
+  return cudaGetLastError();
+}
+
+// Chunks of rows of a column-tiled pass: enough blocks to fill the GPU about eight
+// times over, at most max_chunks (the partials' workspace rows) and 65535 (grid y).
+struct TileGrid {
+  int tx_log2;
+  int64_t col_tiles, chunks, chunk_rows;
+};
+
+inline TileGrid tile_grid(int64_t rows, int64_t nvec, int64_t max_chunks) {
+  TileGrid g{0, 0, 0, 0};
+  if (rows <= 0 || nvec <= 0) return g;  // nothing to launch
+  while (g.tx_log2 < 5 && (int64_t(1) << g.tx_log2) < nvec) ++g.tx_log2;
+  const int64_t ty = kTileThreads >> g.tx_log2;
+  g.col_tiles = (nvec + (int64_t(1) << g.tx_log2) - 1) >> g.tx_log2;
+  int64_t chunks = (int64_t(sm_count()) * 8 + g.col_tiles - 1) / g.col_tiles;
+  const int64_t by_rows = (rows + ty - 1) / ty;
+  chunks = chunks > by_rows ? by_rows : chunks;
+  chunks = chunks > max_chunks ? max_chunks : chunks;
+  chunks = chunks > 65535 ? 65535 : (chunks < 1 ? 1 : chunks);
+  g.chunk_rows = (rows + chunks - 1) / chunks;
+  g.chunks = (rows + g.chunk_rows - 1) / g.chunk_rows;
+  return g;
+}
+
+template <typename E>
+cudaError_t launch_cols_tiled(const typename E::Args& a, const TileGrid& g, float* part0, float* part1,
+                              cudaStream_t stream) {
+  cols_tiled_kernel<E><<<dim3(unsigned(g.col_tiles), unsigned(g.chunks)), kTileThreads, 0, stream>>>(
+      a, g.tx_log2, g.chunk_rows, part0, part1);
+  return cudaGetLastError();
+}
+
 }  // namespace jax_ops

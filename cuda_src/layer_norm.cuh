@@ -1015,3 +1015,222 @@ cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan =
 }
 
 }  // namespace jax_ops::norm
+
+// =====================================================================================
+// NEW SECTION: hidden-sharded stages (issue 23). Kernels of the per-device stages that
+// run when the normalized axis is split over devices (cuda_src/norm_math.h: PartArgs,
+// ApplyArgs, BwdPartArgs, BwdApplyArgs): policies for the row-partial and column-tiled
+// skeletons of cuda_utils.cuh, and their launchers. Nothing above this line is changed
+// or depended on except load_param, NormAcc and sum_partials_kernel.
+//   partials     : a group of lanes (or a block, for few long rows) per row streams the
+//                  local columns: Welford per pack (LayerNorm) or Σx² (RMSNorm), merged
+//                  across lanes in a fixed order; add+norm writes h as it reads.
+//   apply        : column-tiled: each thread owns a column pack (scale/bias loaded once)
+//                  and walks a chunk of rows.
+//   bwd partials : as partials, Σg and Σg·x̂ per row.
+//   bwd apply    : column-tiled dx, with the dscale/dbias partials of its rows in
+//                  registers, reduced per block into the [2, P, cols] workspace and
+//                  summed over P by sum_partials_kernel (fixed order, no atomics).
+// 16-byte packs where cols and every pointer allow it, else scalars.
+// =====================================================================================
+namespace jax_ops::norm {
+
+template <typename T, int PACK, bool ADD>
+struct PartPolicy {
+  static constexpr int kPack = PACK;
+  using Args = PartArgs;
+  using Acc = NormAcc;
+  struct Ctx {};
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.cols / PACK; }
+  static __device__ __forceinline__ Acc init() { return NormAcc{}; }
+  static __device__ __forceinline__ Ctx ctx(const Args&, int64_t) { return {}; }
+  static __device__ __forceinline__ void add(const Args& a, Ctx, int64_t row, int64_t v, Acc& acc) {
+    const int64_t i = row * a.cols + v * PACK;
+    Pack<T, PACK> pk = *reinterpret_cast<const Pack<T, PACK>*>(static_cast<const T*>(a.x) + i);
+    if constexpr (ADD) {  // h = x + residual rounded to T, written as it is read
+      const Pack<T, PACK> pr = *reinterpret_cast<const Pack<T, PACK>*>(static_cast<const T*>(a.residual) + i);
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) pk.v[k] = add_rounded(pk.v[k], pr.v[k]);
+      *reinterpret_cast<Pack<T, PACK>*>(static_cast<T*>(a.h) + i) = pk;
+    }
+    float f[PACK];
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
+    acc.add_pack(f, a.rms);
+  }
+  static __device__ __forceinline__ void merge(const Args& a, Acc& lo, const Acc& hi) { lo.merge(hi, a.rms); }
+  static __device__ __forceinline__ void store(const Args& a, int64_t row, const Acc& acc) {
+    if (a.mean != nullptr) a.mean[row] = acc.mean;
+    a.m2[row] = acc.m2;
+  }
+};
+
+template <typename T, typename P, int PACK>
+struct ApplyPolicy {
+  using Args = ApplyArgs;
+  static constexpr int kPack = PACK;
+  static constexpr bool kPartials = false;
+  struct Col { float sc[PACK], bi[PACK]; };
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.cols / PACK; }
+  static __device__ __forceinline__ Col column(const Args& a, int64_t v) {
+    Col c;
+    load_param<P, PACK>(a.scale, v * PACK, 1.f, c.sc);
+    load_param<P, PACK>(a.bias, v * PACK, 0.f, c.bi);
+    return c;
+  }
+  static __device__ __forceinline__ void apply(const Args& a, const Col& c, int64_t row, int64_t v,
+                                               float (&)[PACK], float (&)[PACK]) {
+    const RowStats st{a.mean != nullptr ? a.mean[row] : 0.f, a.rstd[row]};
+    const int64_t i = row * a.cols + v * PACK;
+    float f[PACK], out[PACK];
+    load_pack<T, PACK>(static_cast<const T*>(a.x) + i, f);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out[k] = norm_out(f[k], st, c.sc[k], c.bi[k]);
+    store_pack<T, PACK>(static_cast<T*>(a.y) + i, out);
+  }
+};
+
+template <typename T, typename P, int PACK>
+struct BwdPartPolicy {
+  static constexpr int kPack = PACK;
+  using Args = BwdPartArgs;
+  struct Acc { float sg, sgx; };
+  struct Ctx { float mean, rstd; };
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.cols / PACK; }
+  static __device__ __forceinline__ Acc init() { return Acc{0.f, 0.f}; }
+  static __device__ __forceinline__ Ctx ctx(const Args& a, int64_t row) {
+    return Ctx{a.mean != nullptr ? a.mean[row] : 0.f, a.rstd[row]};
+  }
+  static __device__ __forceinline__ void add(const Args& a, const Ctx& c, int64_t row, int64_t v, Acc& acc) {
+    const int64_t i = row * a.cols + v * PACK;
+    float x[PACK], dy[PACK], sc[PACK];
+    load_pack<T, PACK>(static_cast<const T*>(a.x) + i, x);
+    load_pack<T, PACK>(static_cast<const T*>(a.dy) + i, dy);
+    load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      const float g = dy[k] * sc[k];
+      acc.sg += g;
+      acc.sgx += g * ((x[k] - c.mean) * c.rstd);
+    }
+  }
+  static __device__ __forceinline__ void merge(const Args&, Acc& lo, const Acc& hi) {
+    lo.sg += hi.sg;
+    lo.sgx += hi.sgx;
+  }
+  static __device__ __forceinline__ void store(const Args& a, int64_t row, const Acc& acc) {
+    if (a.sum_g != nullptr) a.sum_g[row] = acc.sg;
+    a.sum_gx[row] = acc.sgx;
+  }
+};
+
+template <typename T, typename P, int PACK, bool DH, bool PARTIALS>
+struct BwdApplyPolicy {
+  using Args = BwdApplyArgs;
+  static constexpr int kPack = PACK;
+  static constexpr bool kPartials = PARTIALS;
+  struct Col { float sc[PACK]; };
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.cols / PACK; }
+  static __device__ __forceinline__ Col column(const Args& a, int64_t v) {
+    Col c;
+    load_param<P, PACK>(a.scale, v * PACK, 1.f, c.sc);
+    return c;
+  }
+  static __device__ __forceinline__ void apply(const Args& a, const Col& c, int64_t row, int64_t v,
+                                               float (&ds)[PACK], float (&db)[PACK]) {
+    const float mean = a.mean != nullptr ? a.mean[row] : 0.f, rstd = a.rstd[row];
+    const float mean_g = a.sum_g != nullptr ? a.sum_g[row] * a.inv_n : 0.f;
+    const float mean_gx = a.sum_gx[row] * a.inv_n;
+    const int64_t i = row * a.cols + v * PACK;
+    float x[PACK], dy[PACK], out[PACK];
+    load_pack<T, PACK>(static_cast<const T*>(a.x) + i, x);
+    load_pack<T, PACK>(static_cast<const T*>(a.dy) + i, dy);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      const float xhat = (x[k] - mean) * rstd;
+      out[k] = norm_dx(dy[k] * c.sc[k], xhat, rstd, mean_g, mean_gx);
+      if constexpr (PARTIALS) {
+        ds[k] += dy[k] * xhat;
+        db[k] += dy[k];
+      }
+    }
+    if constexpr (DH) {
+      float d[PACK];
+      load_pack<T, PACK>(static_cast<const T*>(a.dh) + i, d);
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) out[k] += d[k];
+    }
+    store_pack<T, PACK>(static_cast<T*>(a.dx) + i, out);
+  }
+};
+
+template <typename T>
+constexpr int stage_vec() { return 16 / int(sizeof(T)); }
+
+template <typename T>
+cudaError_t launch_part(const PartArgs& a, cudaStream_t stream) {
+  constexpr int VEC = stage_vec<T>();
+  const bool vec = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.residual, 16) && aligned_to(a.h, 16);
+  if (a.residual != nullptr)
+    return vec ? launch_rows_reduce<PartPolicy<T, VEC, true>>(a, stream) : launch_rows_reduce<PartPolicy<T, 1, true>>(a, stream);
+  return vec ? launch_rows_reduce<PartPolicy<T, VEC, false>>(a, stream) : launch_rows_reduce<PartPolicy<T, 1, false>>(a, stream);
+}
+
+template <typename T, typename P>
+cudaError_t launch_apply(const ApplyArgs& a, cudaStream_t stream) {
+  constexpr int VEC = stage_vec<T>();
+  const bool vec = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.y, 16) &&
+                   aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.bias, sizeof(P) * VEC);
+  const int pack = vec ? VEC : 1;
+  const TileGrid g = tile_grid(a.rows, a.cols / pack, INT64_MAX);
+  if (g.chunks == 0) return cudaSuccess;
+  return vec ? launch_cols_tiled<ApplyPolicy<T, P, VEC>>(a, g, nullptr, nullptr, stream)
+             : launch_cols_tiled<ApplyPolicy<T, P, 1>>(a, g, nullptr, nullptr, stream);
+}
+
+template <typename T, typename P>
+cudaError_t launch_bwd_part(const BwdPartArgs& a, cudaStream_t stream) {
+  constexpr int VEC = stage_vec<T>();
+  const bool vec = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) &&
+                   aligned_to(a.scale, sizeof(P) * VEC);
+  return vec ? launch_rows_reduce<BwdPartPolicy<T, P, VEC>>(a, stream)
+             : launch_rows_reduce<BwdPartPolicy<T, P, 1>>(a, stream);
+}
+
+template <typename T, typename P, int PACK, bool DH>
+cudaError_t launch_bwd_apply_as(const BwdApplyArgs& a, cudaStream_t stream) {
+  const bool partials = a.dscale != nullptr || a.dbias != nullptr;
+  if (partials && (a.work == nullptr || a.work_rows < 1)) return cudaErrorInvalidValue;
+  const TileGrid g = tile_grid(a.rows, a.cols / PACK, partials ? a.work_rows : INT64_MAX);
+  if (!partials) return launch_cols_tiled<BwdApplyPolicy<T, P, PACK, DH, false>>(a, g, nullptr, nullptr, stream);
+  float* ds = a.dscale != nullptr ? a.work : nullptr;
+  float* db = a.dbias != nullptr ? a.work + a.work_rows * a.cols : nullptr;
+  cudaError_t err = launch_cols_tiled<BwdApplyPolicy<T, P, PACK, DH, true>>(a, g, ds, db, stream);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(unsigned((a.cols + 31) / 32));
+  if (ds != nullptr) sum_partials_kernel<float><<<grid, 256, 0, stream>>>(ds, g.chunks, a.cols, a.dscale);
+  if (db != nullptr) sum_partials_kernel<float><<<grid, 256, 0, stream>>>(db, g.chunks, a.cols, a.dbias);
+  return cudaGetLastError();
+}
+
+template <typename T, typename P>
+cudaError_t launch_bwd_apply(const BwdApplyArgs& a, cudaStream_t stream) {
+  if (a.rows == 0) {  // dscale/dbias: sums over no rows
+    cudaError_t err = cudaSuccess;
+    if (a.dscale != nullptr) err = cudaMemsetAsync(a.dscale, 0, size_t(a.cols) * sizeof(float), stream);
+    if (err == cudaSuccess && a.dbias != nullptr) err = cudaMemsetAsync(a.dbias, 0, size_t(a.cols) * sizeof(float), stream);
+    return err;
+  }
+  constexpr int VEC = stage_vec<T>();
+  const bool vec = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) && aligned_to(a.dx, 16) &&
+                   aligned_to(a.dh, 16) && aligned_to(a.scale, sizeof(P) * VEC);
+  if (a.dh != nullptr)
+    return vec ? launch_bwd_apply_as<T, P, VEC, true>(a, stream) : launch_bwd_apply_as<T, P, 1, true>(a, stream);
+  return vec ? launch_bwd_apply_as<T, P, VEC, false>(a, stream) : launch_bwd_apply_as<T, P, 1, false>(a, stream);
+}
+
+}  // namespace jax_ops::norm

@@ -98,4 +98,44 @@ JO_HD float norm_dx(float g, float xhat, float rstd, float mean_g, float mean_gx
 template <typename T>
 JO_HD T add_rounded(T x, T residual) { return from_float<T>(to_float(x) + to_float(residual)); }
 
+
+// ----------------------------------------------- hidden-sharded stages (issue 23) ---
+// With the normalized axis split over devices each device reduces its columns of every
+// row to partials, jax_ops/ops/layer_norm.py combines them across devices (O(rows)
+// data), and a pass finishes with the combined statistics:
+//   partials:      LayerNorm: local mean and M2 (Chan's merge combines equal-count
+//                  shards exactly); RMSNorm: Σx² in m2; add+norm also writes h.
+//   apply:         y = (x − mean)·rstd·scale + bias with the given mean/rstd.
+//   bwd partials:  Σg and Σg·x̂ (g = dy·scale) of the local columns.
+//   bwd apply:     dx = rstd·(g − Σg/n − x̂·Σg·x̂/n) [+ dh] with the whole row's sums and
+//                  length n, and float32 dscale/dbias sums over the local rows.
+namespace norm {
+struct PartArgs {
+  const void* x; const void* residual; void* h;  // residual/h: add+norm, else null
+  float* mean; float* m2;                        // mean null for RMSNorm
+  int64_t rows, cols; bool rms;
+};
+
+struct ApplyArgs {
+  const void* x; const float* mean; const float* rstd;  // mean null for RMSNorm
+  const void* scale; const void* bias;                  // null when absent
+  void* y;
+  int64_t rows, cols;
+};
+
+struct BwdPartArgs {
+  const void* dy; const void* x; const float* mean; const float* rstd; const void* scale;
+  float* sum_g; float* sum_gx;  // sum_g null for RMSNorm
+  int64_t rows, cols;
+};
+
+struct BwdApplyArgs {
+  const void* dy; const void* dh; const void* x;  // dh: add+norm's h cotangent, else null
+  const float* mean; const float* rstd; const void* scale;
+  const float* sum_g; const float* sum_gx;         // whole-row sums (sum_g null for RMSNorm)
+  void* dx; float* dscale; float* dbias;           // float32 column sums; null when not wanted
+  int64_t rows, cols; float inv_n;                 // inv_n = 1 / the whole row's length
+  float* work; int64_t work_rows;                  // CUDA: [2, work_rows, cols] partials
+};
+}  // namespace norm
 }  // namespace jax_ops

@@ -825,3 +825,168 @@ cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace jax_ops::softmax
+
+// =====================================================================================
+// NEW SECTION: hidden-sharded stages (issue 23). Kernels of the per-device stages that
+// run when the softmax axis is split over devices (cuda_src/softmax_math.h: PartArgs,
+// ApplyArgs, BwdPartArgs, BwdApplyArgs): policies for the row skeletons of
+// cuda_utils.cuh, and their launchers. The logits come from pack_logits (scale, mask,
+// causal rule) exactly as in the kernels above, with the causal limit from the device's
+// offset operand.
+//   partials     : a group of lanes (or a block, for few long rows) per row streams the
+//                  local columns: per pack its max and Σ exp(z − max), merged into the
+//                  lane's running (max, sum) with one exp; lanes merged in a fixed order.
+//   apply        : elementwise, y = softmax_out(z, finish_row(m, s)) with the row's m, s.
+//   bwd partials : Σ dy·y (log: Σ dy) per row.
+//   bwd apply    : elementwise, dx = softmax_dx(y, dy, dot).
+// 16-byte packs where cols and every pointer allow it, else scalars.
+// =====================================================================================
+namespace jax_ops::softmax {
+
+// Row constants of the forward stages: the mask row and the causal limit.
+struct StageRow { int64_t mrow, climit; };
+
+__device__ __forceinline__ StageRow stage_row(const FwdArgs& f, const int32_t* offset, int64_t row) {
+  const int64_t off = offset != nullptr ? int64_t(*offset) : f.offset;
+  return StageRow{f.mask_kind != kNoMask ? mask_row(f.map, row) : 0, causal_limit_at(f, row, off)};
+}
+
+template <typename T, int PACK, bool MASKED>
+struct PartPolicy {
+  static constexpr int kPack = PACK;
+  using Args = PartArgs;
+  struct Acc { float m, s; };
+  using Ctx = StageRow;
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.f.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.f.cols / PACK; }
+  static __device__ __forceinline__ Acc init() { return Acc{neg_inf(), 0.f}; }
+  static __device__ __forceinline__ Ctx ctx(const Args& a, int64_t row) { return stage_row(a.f, a.offset, row); }
+  static __device__ __forceinline__ void add(const Args& a, const Ctx& c, int64_t row, int64_t v, Acc& acc) {
+    const Pack<T, PACK> raw = *reinterpret_cast<const Pack<T, PACK>*>(static_cast<const T*>(a.f.x) + row * a.f.cols + v * PACK);
+    float z[PACK];
+    pack_logits<T, PACK, MASKED>(a.f, c.climit, c.mrow, v * PACK, raw, z);
+    float pm = neg_inf();
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) pm = fmaxf(pm, z[k]);
+    const float shift = safe_max(pm);
+    float ps = 0.f;
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) ps += exp_f32(z[k] - shift);
+    merge_max_sum(acc.m, acc.s, pm, ps);
+  }
+  static __device__ __forceinline__ void merge(const Args&, Acc& lo, const Acc& hi) { merge_max_sum(lo.m, lo.s, hi.m, hi.s); }
+  static __device__ __forceinline__ void store(const Args& a, int64_t row, const Acc& acc) {
+    a.max[row] = acc.m;
+    a.sum[row] = acc.s;
+  }
+};
+
+template <typename T, int PACK, bool MASKED>
+struct ApplyPolicy {
+  using Args = ApplyArgs;
+  struct Ctx { StageRow r; RowOut out; };
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.f.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.f.cols / PACK; }
+  static __device__ __forceinline__ Ctx ctx(const Args& a, int64_t row) {
+    return Ctx{stage_row(a.f, a.offset, row), finish_row(safe_max(a.max[row]), a.sum[row], a.f.log)};
+  }
+  static __device__ __forceinline__ void apply(const Args& a, const Ctx& c, int64_t row, int64_t v) {
+    const int64_t i = row * a.f.cols + v * PACK;
+    const Pack<T, PACK> raw = *reinterpret_cast<const Pack<T, PACK>*>(static_cast<const T*>(a.f.x) + i);
+    float z[PACK], out[PACK];
+    pack_logits<T, PACK, MASKED>(a.f, c.r.climit, c.r.mrow, v * PACK, raw, z);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out[k] = softmax_out(z[k], c.out, a.f.log);
+    store_pack<T, PACK>(static_cast<T*>(a.f.y) + i, out);
+  }
+};
+
+template <typename T, int PACK>
+struct BwdPartPolicy {
+  static constexpr int kPack = PACK;
+  using Args = BwdPartArgs;
+  struct Acc { float dot; };
+  struct Ctx {};
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.cols / PACK; }
+  static __device__ __forceinline__ Acc init() { return Acc{0.f}; }
+  static __device__ __forceinline__ Ctx ctx(const Args&, int64_t) { return {}; }
+  static __device__ __forceinline__ void add(const Args& a, Ctx, int64_t row, int64_t v, Acc& acc) {
+    const int64_t i = row * a.cols + v * PACK;
+    float y[PACK], dy[PACK];
+    load_pack<T, PACK>(static_cast<const T*>(a.y) + i, y);
+    load_pack<T, PACK>(static_cast<const T*>(a.dy) + i, dy);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) acc.dot += bwd_dot_term(y[k], dy[k], a.log);
+  }
+  static __device__ __forceinline__ void merge(const Args&, Acc& lo, const Acc& hi) { lo.dot += hi.dot; }
+  static __device__ __forceinline__ void store(const Args& a, int64_t row, const Acc& acc) { a.dot[row] = acc.dot; }
+};
+
+template <typename T, int PACK>
+struct BwdApplyPolicy {
+  using Args = BwdApplyArgs;
+  struct Ctx { float dot; };
+  static __device__ __host__ __forceinline__ int64_t rows(const Args& a) { return a.b.rows; }
+  static __device__ __host__ __forceinline__ int64_t nvec(const Args& a) { return a.b.cols / PACK; }
+  static __device__ __forceinline__ Ctx ctx(const Args& a, int64_t row) { return Ctx{a.dot[row]}; }
+  static __device__ __forceinline__ void apply(const Args& a, const Ctx& c, int64_t row, int64_t v) {
+    const int64_t i = row * a.b.cols + v * PACK;
+    float y[PACK], dy[PACK], out[PACK];
+    load_pack<T, PACK>(static_cast<const T*>(a.b.y) + i, y);
+    load_pack<T, PACK>(static_cast<const T*>(a.b.dy) + i, dy);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out[k] = softmax_dx(y[k], dy[k], c.dot, a.b.scale, a.b.log);
+    store_pack<T, PACK>(static_cast<T*>(a.b.dx) + i, out);
+  }
+};
+
+// Whether the forward stages' x (and y, mask) take 16-byte packs.
+template <typename T>
+bool stage_fwd_vec(const FwdArgs& f) {
+  constexpr int VEC = 16 / sizeof(T);
+  return f.cols % VEC == 0 && aligned_to(f.x, 16) && aligned_to(f.y, 16) &&
+         aligned_to(f.mask, VEC * mask_item_bytes(f.mask_kind, sizeof(T)));
+}
+
+template <typename T, template <typename, int, bool> class Policy, bool REDUCE, typename Args>
+cudaError_t launch_fwd_stage(const Args& a, cudaStream_t stream) {
+  if (a.f.rows == 0 || a.f.cols == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec = stage_fwd_vec<T>(a.f), masked = a.f.mask_kind != kNoMask || a.f.causal;
+  auto go = [&](auto pol) {
+    using R = decltype(pol);
+    if constexpr (REDUCE) return launch_rows_reduce<R>(a, stream);
+    else return launch_rows_map<R>(a, stream);
+  };
+  if (masked) return vec ? go(Policy<T, VEC, true>{}) : go(Policy<T, 1, true>{});
+  return vec ? go(Policy<T, VEC, false>{}) : go(Policy<T, 1, false>{});
+}
+
+template <typename T>
+cudaError_t launch_part(const PartArgs& a, cudaStream_t stream) {
+  return launch_fwd_stage<T, PartPolicy, true>(a, stream);
+}
+
+template <typename T>
+cudaError_t launch_apply(const ApplyArgs& a, cudaStream_t stream) {
+  return launch_fwd_stage<T, ApplyPolicy, false>(a, stream);
+}
+
+template <typename T>
+cudaError_t launch_bwd_part(const BwdPartArgs& a, cudaStream_t stream) {
+  if (a.rows == 0 || a.cols == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec = a.cols % VEC == 0 && aligned_to(a.y, 16) && aligned_to(a.dy, 16);
+  return vec ? launch_rows_reduce<BwdPartPolicy<T, VEC>>(a, stream) : launch_rows_reduce<BwdPartPolicy<T, 1>>(a, stream);
+}
+
+template <typename T>
+cudaError_t launch_bwd_apply(const BwdApplyArgs& a, cudaStream_t stream) {
+  if (a.b.rows == 0 || a.b.cols == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
+  const bool vec = a.b.cols % VEC == 0 && aligned_to(a.b.y, 16) && aligned_to(a.b.dy, 16) && aligned_to(a.b.dx, 16);
+  return vec ? launch_rows_map<BwdApplyPolicy<T, VEC>>(a, stream) : launch_rows_map<BwdApplyPolicy<T, 1>>(a, stream);
+}
+
+}  // namespace jax_ops::softmax

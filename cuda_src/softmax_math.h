@@ -148,4 +148,49 @@ JO_HD float softmax_dx(float y, float dy, float dot, float scale, bool log) {
   return scale * (y * (dy - dot));
 }
 
+
+// ----------------------------------------------- hidden-sharded stages (issue 23) ---
+// The softmax axis split over devices: each device reduces its columns of every row to
+// (max, Σ exp(z − max)) of its logits, jax_ops/ops/softmax.py combines them across
+// devices (O(rows) data) into the row's (m, s), and a pass writes y from x, m and s by
+// the formulas above (finish_row, softmax_out). Backward: the partial Σ dy·y (log: Σ dy)
+// per row, combined, then dx (softmax_dx). The logits are those of the unsharded op:
+// scale, the mask's local columns and the causal rule, whose limit for local row r is
+// (r % q_len) + offset with the device's offset (row0 − col0 + k − q, an operand: it
+// depends on the device's position in the mesh).
+struct PartArgs {
+  FwdArgs f;              // x, mask, rows/cols of the local shard, scale, causal, q_len
+  const int32_t* offset;  // causal: the device's offset (null: f.offset)
+  float* max; float* sum;
+};
+
+struct ApplyArgs {
+  FwdArgs f;              // also y and log
+  const int32_t* offset;
+  const float* max; const float* sum;  // the whole row's max (may be -inf) and Σ exp(z − max)
+};
+
+struct BwdPartArgs {
+  const void* y; const void* dy; float* dot;
+  int64_t rows, cols; bool log;
+};
+
+struct BwdApplyArgs {
+  BwdArgs b;              // y, dy, dx, rows/cols, scale, log
+  const float* dot;       // the whole row's Σ dy·y (log: Σ dy)
+};
+
+// The causal limit of local row `row` with the device's offset.
+JO_HD int64_t causal_limit_at(const FwdArgs& a, int64_t row, int64_t offset) {
+  return a.causal ? (row % a.q_len) + offset : INT64_MAX;
+}
+
+// (m, s) ⊕= (om, os), each s = Σ exp(z − safe_max(m)) of its logits: one exp. NaN
+// propagates through s.
+JO_HD void merge_max_sum(float& m, float& s, float om, float os) {
+  if (om == neg_inf()) { s += os; return; }  // the other holds no finite logit (os 0, or NaN)
+  if (om <= m) { s += os * exp_f32(om - m); return; }
+  s = s * exp_f32(m - om) + os;              // m = -inf: exp gives 0, s is 0 (or NaN)
+  m = om;
+}
 }  // namespace jax_ops::softmax

@@ -273,6 +273,295 @@ ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dh
 }
 #endif
 
+
+// -------------------------------------------- hidden-sharded stages (issue 23) ---
+// The per-device stages of a norm whose normalized axis is split over devices
+// (cuda_src/norm_math.h). Operands/results like the ones above; absent ones are
+// zero-element buffers.
+//   partials:     (x, residual) -> (mean, m2, h)                    attr rms
+//   apply:        (x, mean, rstd, scale, bias) -> (y)
+//   bwd partials: (dy, x, mean, rstd, scale) -> (sum_g, sum_gx)     attr rms
+//   bwd apply:    (dy, dh, x, mean, rstd, scale, sum_g, sum_gx) -> (dx, dscale, dbias, workspace)
+//                 attrs rms, inv_n (1 / the whole row's length); dscale/dbias float32
+
+// A float32 per-row buffer: `rows` elements, or absent (0) where `optional`.
+ffi::Error expect_rows_f32(const ffi::AnyBuffer& b, const char* name, int64_t rows, bool optional) {
+  JO_RETURN_IF_ERROR(expect_count(b, name, rows, optional));
+  return expect_f32(b, name);
+}
+
+template <typename Ptr>
+Ptr ptr_or_null(const ffi::AnyBuffer& b) {
+  return b.element_count() ? static_cast<Ptr>(b.untyped_data()) : nullptr;
+}
+
+ffi::ErrorOr<PartArgs> part_args(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer mean, ffi::AnyBuffer m2,
+                                 ffi::AnyBuffer h, bool rms) {
+  auto shape = rows_cols(x, "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols] = shape.value();
+  JO_RETURN_IF_ERROR(expect_like_x(residual, "residual", x));
+  JO_RETURN_IF_ERROR(expect_like_x(h, "h", x));
+  if ((residual.element_count() == 0) != (h.element_count() == 0))
+    return ffi::Error::InvalidArgument("residual and h must be both present (add+norm) or both absent");
+  JO_RETURN_IF_ERROR(expect_rows_f32(m2, "m2", rows, false));
+  JO_RETURN_IF_ERROR(expect_rows_f32(mean, "mean", rms ? 0 : rows, false));
+  return PartArgs{x.untyped_data(), ptr_or_null<const void*>(residual), ptr_or_null<void*>(h),
+                  ptr_or_null<float*>(mean), static_cast<float*>(m2.untyped_data()), rows, cols, rms};
+}
+
+ffi::ErrorOr<ApplyArgs> apply_args(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
+                                   ffi::AnyBuffer bias, ffi::AnyBuffer y) {
+  auto shape = rows_cols(x, "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols] = shape.value();
+  if (y.element_type() != x.element_type() || y.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("y must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_rows_f32(mean, "mean", rows, true));
+  JO_RETURN_IF_ERROR(expect_rows_f32(rstd, "rstd", rows, false));
+  JO_RETURN_IF_ERROR(expect_count(scale, "scale", cols, true));
+  JO_RETURN_IF_ERROR(expect_count(bias, "bias", cols, true));
+  return ApplyArgs{x.untyped_data(), ptr_or_null<const float*>(mean), static_cast<const float*>(rstd.untyped_data()),
+                   ptr_or_null<const void*>(scale), ptr_or_null<const void*>(bias), y.untyped_data(), rows, cols};
+}
+
+ffi::ErrorOr<BwdPartArgs> bwd_part_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                                        ffi::AnyBuffer scale, ffi::AnyBuffer sum_g, ffi::AnyBuffer sum_gx, bool rms) {
+  auto shape = rows_cols(x, "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols] = shape.value();
+  if (dy.element_type() != x.element_type() || dy.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("dy must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_rows_f32(mean, "mean", rms ? 0 : rows, false));
+  JO_RETURN_IF_ERROR(expect_rows_f32(rstd, "rstd", rows, false));
+  JO_RETURN_IF_ERROR(expect_count(scale, "scale", cols, true));
+  JO_RETURN_IF_ERROR(expect_rows_f32(sum_g, "sum_g", rms ? 0 : rows, false));
+  JO_RETURN_IF_ERROR(expect_rows_f32(sum_gx, "sum_gx", rows, false));
+  return BwdPartArgs{dy.untyped_data(), x.untyped_data(), ptr_or_null<const float*>(mean),
+                     static_cast<const float*>(rstd.untyped_data()), ptr_or_null<const void*>(scale),
+                     ptr_or_null<float*>(sum_g), static_cast<float*>(sum_gx.untyped_data()), rows, cols};
+}
+
+ffi::ErrorOr<BwdApplyArgs> bwd_apply_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                                          ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer sum_g,
+                                          ffi::AnyBuffer sum_gx, ffi::AnyBuffer dx, ffi::AnyBuffer dscale,
+                                          ffi::AnyBuffer dbias, ffi::AnyBuffer work, bool rms, float inv_n) {
+  auto shape = rows_cols(x, "x");
+  if (shape.has_error()) return shape.error();
+  const auto [rows, cols] = shape.value();
+  if (dy.element_type() != x.element_type() || dy.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("dy must match x in shape and dtype");
+  if (dx.element_type() != x.element_type() || dx.element_count() != x.element_count())
+    return ffi::Error::InvalidArgument("dx must match x in shape and dtype");
+  JO_RETURN_IF_ERROR(expect_like_x(dh, "dh", x));
+  JO_RETURN_IF_ERROR(expect_rows_f32(mean, "mean", rms ? 0 : rows, false));
+  JO_RETURN_IF_ERROR(expect_rows_f32(rstd, "rstd", rows, false));
+  JO_RETURN_IF_ERROR(expect_count(scale, "scale", cols, true));
+  JO_RETURN_IF_ERROR(expect_rows_f32(sum_g, "sum_g", rms ? 0 : rows, false));
+  JO_RETURN_IF_ERROR(expect_rows_f32(sum_gx, "sum_gx", rows, false));
+  JO_RETURN_IF_ERROR(expect_count(dscale, "dscale", cols, true));
+  JO_RETURN_IF_ERROR(expect_count(dbias, "dbias", cols, true));
+  JO_RETURN_IF_ERROR(expect_f32(dscale, "dscale"));
+  JO_RETURN_IF_ERROR(expect_f32(dbias, "dbias"));
+  JO_RETURN_IF_ERROR(expect_f32(work, "workspace"));
+  if (!(inv_n > 0.f)) return ffi::Error::InvalidArgument("inv_n (1 / the row length) must be > 0");
+  const int64_t work_rows = int64_t(work.element_count()) / (2 * cols);
+  if ((dscale.element_count() || dbias.element_count()) && rows > 0 && work_rows < 1)
+    return ffi::Error::InvalidArgument("workspace too small for the dscale/dbias partials");
+  return BwdApplyArgs{dy.untyped_data(), ptr_or_null<const void*>(dh), x.untyped_data(),
+                      ptr_or_null<const float*>(mean), static_cast<const float*>(rstd.untyped_data()),
+                      ptr_or_null<const void*>(scale), ptr_or_null<const float*>(sum_g),
+                      static_cast<const float*>(sum_gx.untyped_data()), dx.untyped_data(),
+                      ptr_or_null<float*>(dscale), ptr_or_null<float*>(dbias), rows, cols, inv_n,
+                      static_cast<float*>(work.untyped_data()), work_rows};
+}
+
+template <typename T>
+void part_cpu(const PartArgs& a) {
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const T* xr = static_cast<const T*>(a.x) + r * a.cols;
+    if (a.residual) {
+      const T* res = static_cast<const T*>(a.residual) + r * a.cols;
+      T* hr = static_cast<T*>(a.h) + r * a.cols;
+      for (int64_t c = 0; c < a.cols; ++c) hr[c] = add_rounded(xr[c], res[c]);
+      xr = hr;
+    }
+    NormAcc acc;
+    for (int64_t c = 0; c < a.cols; ++c) acc.add(to_float(xr[c]), a.rms);
+    if (a.mean) a.mean[r] = acc.mean;
+    a.m2[r] = acc.m2;
+  }
+}
+
+template <typename T, typename P>
+void apply_cpu(const ApplyArgs& a) {
+  const P* scale = static_cast<const P*>(a.scale);
+  const P* bias = static_cast<const P*>(a.bias);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const RowStats st{a.mean ? a.mean[r] : 0.f, a.rstd[r]};
+    const T* xr = static_cast<const T*>(a.x) + r * a.cols;
+    T* yr = static_cast<T*>(a.y) + r * a.cols;
+    for (int64_t c = 0; c < a.cols; ++c)
+      yr[c] = from_float<T>(norm_out(to_float(xr[c]), st, scale ? to_float(scale[c]) : 1.f, bias ? to_float(bias[c]) : 0.f));
+  }
+}
+
+template <typename T, typename P>
+void bwd_part_cpu(const BwdPartArgs& a) {
+  const P* scale = static_cast<const P*>(a.scale);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float mean = a.mean ? a.mean[r] : 0.f, rstd = a.rstd[r];
+    const T* xr = static_cast<const T*>(a.x) + r * a.cols;
+    const T* dyr = static_cast<const T*>(a.dy) + r * a.cols;
+    float sg = 0.f, sgx = 0.f;
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float g = to_float(dyr[c]) * (scale ? to_float(scale[c]) : 1.f);
+      sg += g;
+      sgx += g * ((to_float(xr[c]) - mean) * rstd);
+    }
+    if (a.sum_g) a.sum_g[r] = sg;
+    a.sum_gx[r] = sgx;
+  }
+}
+
+template <typename T, typename P>
+void bwd_apply_cpu(const BwdApplyArgs& a) {
+  const P* scale = static_cast<const P*>(a.scale);
+  std::vector<double> ds(a.dscale ? a.cols : 0, 0.0), db(a.dbias ? a.cols : 0, 0.0);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const float mean = a.mean ? a.mean[r] : 0.f, rstd = a.rstd[r];
+    const float mg = a.sum_g ? a.sum_g[r] * a.inv_n : 0.f, mgx = a.sum_gx[r] * a.inv_n;
+    const T* xr = static_cast<const T*>(a.x) + r * a.cols;
+    const T* dyr = static_cast<const T*>(a.dy) + r * a.cols;
+    const T* dhr = a.dh ? static_cast<const T*>(a.dh) + r * a.cols : nullptr;
+    T* dxr = static_cast<T*>(a.dx) + r * a.cols;
+    for (int64_t c = 0; c < a.cols; ++c) {
+      const float d = to_float(dyr[c]), xhat = (to_float(xr[c]) - mean) * rstd;
+      const float g = d * (scale ? to_float(scale[c]) : 1.f);
+      dxr[c] = from_float<T>(norm_dx(g, xhat, rstd, mg, mgx) + (dhr ? to_float(dhr[c]) : 0.f));
+      if (a.dscale) ds[c] += double(d) * xhat;
+      if (a.dbias) db[c] += d;
+    }
+  }
+  for (int64_t c = 0; c < int64_t(ds.size()); ++c) a.dscale[c] = float(ds[c]);
+  for (int64_t c = 0; c < int64_t(db.size()); ++c) a.dbias[c] = float(db[c]);
+}
+
+// Each stage handler: parse, dispatch on the storage types, then run(T{}, P{}, args).
+template <typename Run>
+ffi::Error with_part_args(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer mean, ffi::AnyBuffer m2,
+                          ffi::AnyBuffer h, bool rms, Run&& run) {
+  auto args = part_args(x, residual, mean, m2, h, rms);
+  if (args.has_error()) return args.error();
+  return dispatch_act_param(x.element_type(), ffi::DataType::F32,
+                            [&](auto t, auto) { return run(t, args.value()); });
+}
+
+template <typename Run>
+ffi::Error with_apply_args(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
+                           ffi::AnyBuffer bias, ffi::AnyBuffer y, Run&& run) {
+  auto args = apply_args(x, mean, rstd, scale, bias, y);
+  if (args.has_error()) return args.error();
+  auto pt = param_dtype(scale, bias);
+  if (pt.has_error()) return pt.error();
+  return dispatch_act_param(x.element_type(), pt.value(), [&](auto t, auto p) { return run(t, p, args.value()); });
+}
+
+template <typename Run>
+ffi::Error with_bwd_part_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                              ffi::AnyBuffer scale, ffi::AnyBuffer sum_g, ffi::AnyBuffer sum_gx, bool rms, Run&& run) {
+  auto args = bwd_part_args(dy, x, mean, rstd, scale, sum_g, sum_gx, rms);
+  if (args.has_error()) return args.error();
+  const ffi::DataType pt = scale.element_count() ? scale.element_type() : ffi::DataType::F32;
+  return dispatch_act_param(x.element_type(), pt, [&](auto t, auto p) { return run(t, p, args.value()); });
+}
+
+template <typename Run>
+ffi::Error with_bwd_apply_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                               ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer sum_g, ffi::AnyBuffer sum_gx,
+                               ffi::AnyBuffer dx, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, ffi::AnyBuffer work,
+                               bool rms, float inv_n, Run&& run) {
+  auto args = bwd_apply_args(dy, dh, x, mean, rstd, scale, sum_g, sum_gx, dx, dscale, dbias, work, rms, inv_n);
+  if (args.has_error()) return args.error();
+  const ffi::DataType pt = scale.element_count() ? scale.element_type() : ffi::DataType::F32;
+  return dispatch_act_param(x.element_type(), pt, [&](auto t, auto p) { return run(t, p, args.value()); });
+}
+
+ffi::Error NormPartCpu(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::Result<ffi::AnyBuffer> mean,
+                       ffi::Result<ffi::AnyBuffer> m2, ffi::Result<ffi::AnyBuffer> h, bool rms) {
+  return with_part_args(x, residual, *mean, *m2, *h, rms, [](auto t, const PartArgs& a) {
+    part_cpu<decltype(t)>(a);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error NormApplyCpu(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
+                        ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y) {
+  return with_apply_args(x, mean, rstd, scale, bias, *y, [](auto t, auto p, const ApplyArgs& a) {
+    apply_cpu<decltype(t), decltype(p)>(a);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error NormBwdPartCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                          ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> sum_g, ffi::Result<ffi::AnyBuffer> sum_gx,
+                          bool rms) {
+  return with_bwd_part_args(dy, x, mean, rstd, scale, *sum_g, *sum_gx, rms, [](auto t, auto p, const BwdPartArgs& a) {
+    bwd_part_cpu<decltype(t), decltype(p)>(a);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error NormBwdApplyCpu(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                           ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer sum_g, ffi::AnyBuffer sum_gx,
+                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                           ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> work, bool rms, float inv_n) {
+  return with_bwd_apply_args(dy, dh, x, mean, rstd, scale, sum_g, sum_gx, *dx, *dscale, *dbias, *work, rms, inv_n,
+                             [](auto t, auto p, const BwdApplyArgs& a) {
+                               bwd_apply_cpu<decltype(t), decltype(p)>(a);
+                               return ffi::Error::Success();
+                             });
+}
+
+#ifdef JAX_OPS_WITH_CUDA
+ffi::Error NormPartCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                        ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> m2,
+                        ffi::Result<ffi::AnyBuffer> h, bool rms) {
+  return with_part_args(x, residual, *mean, *m2, *h, rms, [stream](auto t, const PartArgs& a) {
+    return cuda_status(launch_part<decltype(t)>(a, stream), "jax_ops_norm_partials");
+  });
+}
+
+ffi::Error NormApplyCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                         ffi::AnyBuffer scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> y) {
+  return with_apply_args(x, mean, rstd, scale, bias, *y, [stream](auto t, auto p, const ApplyArgs& a) {
+    return cuda_status(launch_apply<decltype(t), decltype(p)>(a, stream), "jax_ops_norm_apply");
+  });
+}
+
+ffi::Error NormBwdPartCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mean,
+                           ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> sum_g,
+                           ffi::Result<ffi::AnyBuffer> sum_gx, bool rms) {
+  return with_bwd_part_args(dy, x, mean, rstd, scale, *sum_g, *sum_gx, rms,
+                            [stream](auto t, auto p, const BwdPartArgs& a) {
+                              return cuda_status(launch_bwd_part<decltype(t), decltype(p)>(a, stream),
+                                                 "jax_ops_norm_bwd_partials");
+                            });
+}
+
+ffi::Error NormBwdApplyCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x,
+                            ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer sum_g,
+                            ffi::AnyBuffer sum_gx, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dscale,
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> work, bool rms,
+                            float inv_n) {
+  return with_bwd_apply_args(dy, dh, x, mean, rstd, scale, sum_g, sum_gx, *dx, *dscale, *dbias, *work, rms, inv_n,
+                             [stream](auto t, auto p, const BwdApplyArgs& a) {
+                               return cuda_status(launch_bwd_apply<decltype(t), decltype(p)>(a, stream),
+                                                  "jax_ops_norm_bwd_apply");
+                             });
+}
+#endif
+
 }  // namespace
 
 #ifdef JAX_OPS_WITH_CUDA
@@ -326,4 +615,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormFwdCuda, jax_ops::norm::NormFwdCuda,
                               JO_NORM_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdCuda, jax_ops::norm::NormBwdCuda,
                               JO_NORM_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+#endif
+
+// hidden-sharded stages: partials (x, residual -> mean, m2, h), apply (x, mean, rstd,
+// scale, bias -> y), bwd partials (dy, x, mean, rstd, scale -> sum_g, sum_gx), bwd apply
+// (dy, dh, x, mean, rstd, scale, sum_g, sum_gx -> dx, dscale, dbias, workspace)
+#define JO_NORM_PART_SIGNATURE(bind) \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
+      .Attr<bool>("rms")
+#define JO_NORM_APPLY_SIGNATURE(bind)                                                                   \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()          \
+      .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+#define JO_NORM_BWD_PART_SIGNATURE(bind)                                                                \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()          \
+      .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<bool>("rms")
+#define JO_NORM_BWD_APPLY_SIGNATURE(bind)                                                               \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()          \
+      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()          \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()          \
+      .Attr<bool>("rms").Attr<float>("inv_n")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormPartCpu, jax_ops::norm::NormPartCpu, JO_NORM_PART_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormApplyCpu, jax_ops::norm::NormApplyCpu, JO_NORM_APPLY_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdPartCpu, jax_ops::norm::NormBwdPartCpu,
+                              JO_NORM_BWD_PART_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdApplyCpu, jax_ops::norm::NormBwdApplyCpu,
+                              JO_NORM_BWD_APPLY_SIGNATURE(ffi::Ffi::Bind()));
+#ifdef JAX_OPS_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormPartCuda, jax_ops::norm::NormPartCuda,
+                              JO_NORM_PART_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormApplyCuda, jax_ops::norm::NormApplyCuda,
+                              JO_NORM_APPLY_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdPartCuda, jax_ops::norm::NormBwdPartCuda,
+                              JO_NORM_BWD_PART_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsNormBwdApplyCuda, jax_ops::norm::NormBwdApplyCuda,
+                              JO_NORM_BWD_APPLY_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 #endif

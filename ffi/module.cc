@@ -28,6 +28,15 @@ NB_MODULE(_ffi, m) {
     cpu["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCpu);
     cpu["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCpu);
     cpu["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCpu);
+    // hidden-sharded stages of the norms and softmax (issue 23)
+    cpu["jax_ops_norm_partials"] = capsule(JaxOpsNormPartCpu);
+    cpu["jax_ops_norm_apply"] = capsule(JaxOpsNormApplyCpu);
+    cpu["jax_ops_norm_bwd_partials"] = capsule(JaxOpsNormBwdPartCpu);
+    cpu["jax_ops_norm_bwd_apply"] = capsule(JaxOpsNormBwdApplyCpu);
+    cpu["jax_ops_softmax_partials"] = capsule(JaxOpsSoftmaxPartCpu);
+    cpu["jax_ops_softmax_apply"] = capsule(JaxOpsSoftmaxApplyCpu);
+    cpu["jax_ops_softmax_bwd_partials"] = capsule(JaxOpsSoftmaxBwdPartCpu);
+    cpu["jax_ops_softmax_bwd_apply"] = capsule(JaxOpsSoftmaxBwdApplyCpu);
 #ifdef JAX_OPS_WITH_CUDA
     cuda["jax_ops_norm_fwd"] = capsule(JaxOpsNormFwdCuda);
     cuda["jax_ops_norm_bwd"] = capsule(JaxOpsNormBwdCuda);
@@ -40,6 +49,14 @@ NB_MODULE(_ffi, m) {
     cuda["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCuda);
     cuda["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCuda);
     cuda["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCuda);
+    cuda["jax_ops_norm_partials"] = capsule(JaxOpsNormPartCuda);
+    cuda["jax_ops_norm_apply"] = capsule(JaxOpsNormApplyCuda);
+    cuda["jax_ops_norm_bwd_partials"] = capsule(JaxOpsNormBwdPartCuda);
+    cuda["jax_ops_norm_bwd_apply"] = capsule(JaxOpsNormBwdApplyCuda);
+    cuda["jax_ops_softmax_partials"] = capsule(JaxOpsSoftmaxPartCuda);
+    cuda["jax_ops_softmax_apply"] = capsule(JaxOpsSoftmaxApplyCuda);
+    cuda["jax_ops_softmax_bwd_partials"] = capsule(JaxOpsSoftmaxBwdPartCuda);
+    cuda["jax_ops_softmax_bwd_apply"] = capsule(JaxOpsSoftmaxBwdApplyCuda);
 #endif
     out["cpu"] = cpu;
     out["CUDA"] = cuda;

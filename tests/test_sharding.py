@@ -141,12 +141,19 @@ def test_norms(mesh_name, spec, what, op, impl):
     sh = [NamedSharding(mesh, spec)] + [rep] * (len(args) - 1)
     loss, vg, placed = run_both(fn, args, sh, argnums)
     colls = collectives(vg, *placed)
-    # per-row statistics are at most B*S, per-column sums H
-    h_local = H // (math.prod(mesh.shape[a] for a in _axes(spec[2])) if len(spec) > 2 else 1)
-    check_hlo(colls, small=max(B * S, H), want_reduce=h_local if what != "hidden" else None)
+    # per-row statistics are at most B*S (the kernels' stages gather 2 a row from each
+    # column device), per-column sums H
+    d_cols = math.prod(mesh.shape[a] for a in _axes(spec[2])) if len(spec) > 2 else 1
+    h_local = H // d_cols
+    rows_local = B * S // math.prod(mesh.shape[a] for d in spec[:2] for a in _axes(d))
+    check_hlo(colls, small=max(B * S, H, 2 * d_cols * rows_local),
+              want_reduce=h_local if what != "hidden" else None)
     if what != "batch":  # partial statistics combined per row (all rows of a column shard)
-        rows_local = B * S // math.prod(mesh.shape[a] for d in spec[:2] for a in _axes(d))
-        assert any(k == "all-reduce" and rows_local in s for k, s in colls), colls
+        if impl == "xla":  # jnp: psums
+            assert any(k == "all-reduce" and rows_local in s for k, s in colls), colls
+        else:  # the stages (pallas has none: dispatch picks them automatically): one gather
+            n = (1 if op == "rms_norm" else 2) * d_cols * rows_local
+            assert any(k == "all-gather" and n in s for k, s in colls), colls
 
 
 # ---------------------------------------------------------------- softmax ---
@@ -174,7 +181,10 @@ def test_softmax(mesh_name, spec, causal, op, impl):
     sh = [NamedSharding(mesh, spec), NamedSharding(mesh, P())]
     loss, vg, placed = run_both(fn, (x, keep), sh, (0,))
     rows = 8 * 4 * 16
-    check_hlo(collectives(vg, *placed), small=rows)
+    # kernels: (max, sum) of each row gathered from every key-axis device
+    d_keys = math.prod(mesh.shape[a] for a in _axes(spec[3])) if len(spec) > 3 else 1
+    rows_local = rows // math.prod(mesh.shape[a] for d in spec[:3] for a in _axes(d))
+    check_hlo(collectives(vg, *placed), small=max(rows, 2 * d_keys * rows_local))
 
 
 # ---------------------------------------------------------- relu family ---
@@ -245,8 +255,13 @@ def test_batch_norm(mesh_name, spec, op, training, impl):
     batch_sharded = bool(spec[0]) or (len(spec) > 1 and bool(spec[1]))
     # per-channel statistics / sums (local channels when those are sharded too)
     c_local = C // math.prod(mesh.shape[a] for a in (_axes(spec[3]) if len(spec) > 3 else ()))
-    check_hlo(collectives(vg, *placed), small=C,
+    # training, batch sharded: each row device's (mean, M2) per channel gathered
+    d_rows = math.prod(mesh.shape[a] for d in spec[:3] for a in _axes(d))
+    colls = collectives(vg, *placed)
+    check_hlo(colls, small=max(C, 2 * d_rows * c_local),
               want_reduce=c_local if batch_sharded else None)
+    if batch_sharded and training:
+        assert ("all-gather", [2 * d_rows * c_local]) in colls, colls
 
 
 def test_batch_norm_global_statistics():

@@ -292,6 +292,21 @@ def vmap_reference(stage: Stage, args, dims, **params):
     return outs, [None if o is None else 0 for o in outs]
 
 
+def local_implementation(stage: Stage, mesh, *operands, **params) -> str:
+    """The implementation dispatch picks for `stage` called on these operands (None where
+    absent) on the platform of `mesh`'s devices: how a `local` (per-device code, given
+    the local shards) learns whether `implementation` (a name, or None: automatic)
+    resolves to kernels or to "xla" for this call."""
+    platform = mesh.devices.flat[0].platform
+    platform = {"gpu": "cuda"}.get(platform, platform)
+    present = tuple(o is not None for o in operands)
+    avals = [jax.typeof(o) for o in operands if o is not None]
+    params = dict(params)
+    implementation = params.pop("implementation", None)
+    q = query(stage.prim, avals, dict(params, present=present), platform)
+    return dispatch.choose(q, implementation).implementation
+
+
 def query(prim: Primitive, avals, params: dict, platform: str) -> registry.Query:
     """The dispatch query of one call of `prim` (operand 0 has x's shape and dtype)."""
     stage = PRIMITIVES[prim]
@@ -410,6 +425,11 @@ class Op:
       implementations, baselines and minimum bytes; called when the benchmark asks.
     patterns: () -> [Pattern] (core/pattern.py): the computations jax_ops.optimize
       rewrites into this op's public functions; called when jax_ops.fx first needs them.
+    stages: further stages of the op (kinds other than fwd/bwd, one of each kind): the
+      per-device stages its sharding rules bind (`Stage.local`), e.g. per-row partial
+      statistics and the pass that finishes with the combined ones. "xla" runs their
+      references; other implementations list them in their Impl where they have kernels
+      (where one has not, dispatch chooses automatically for that stage).
     """
 
     def __init__(self, names: Sequence[str], fwd: Stage, bwd: Stage, *,
@@ -417,15 +437,19 @@ class Op:
                  backward: Callable, train: Callable[[dict], dict] = lambda p: p,
                  impls: dict[str, Impl] | None = None, user_adapter: Callable | None = None,
                  bench: Callable[[], dict] | None = None,
-                 patterns: Callable[[], list] | None = None):
+                 patterns: Callable[[], list] | None = None, stages: Sequence[Stage] = ()):
         self.names, self.fwd, self.bwd = tuple(names), fwd, bwd
+        self.stages = tuple(stages)
+        kinds = [fwd.kind, bwd.kind] + [st.kind for st in self.stages]
+        assert len(set(kinds)) == len(kinds), f"one stage of each kind: {kinds}"
         self.outputs, self.residuals, self.backward, self.train = outputs, residuals, backward, train
         self.user_adapter = user_adapter
         self.bench = bench or dict
         self.patterns = patterns or list
         self.tangent_prim = self._define_tangent()
         ad.primitive_jvps[fwd.prim] = self._fwd_jvp
-        impls = {"xla": Impl({"fwd": reference_impl(fwd), "bwd": reference_impl(bwd)},
+        impls = {"xla": Impl({"fwd": reference_impl(fwd), "bwd": reference_impl(bwd),
+                              **{st.kind: reference_impl(st) for st in self.stages}},
                              description="plain jax.numpy, fused by XLA"), **(impls or {})}
         for op in self.names:
             for name, impl in impls.items():

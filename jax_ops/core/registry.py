@@ -21,14 +21,18 @@ from typing import Any
 
 from jax._src import config as jax_config  # for a jit-keyed context state (see use())
 
-STAGES = ("fwd", "bwd")
+# fwd/bwd: every op. The others are the per-device stages of an op whose reduced axis is
+# split over devices (only bound by the ops' sharding rules, core/sharding.py): per-row
+# partial statistics, then the pass that finishes with the combined statistics
+# (LayerNorm/RMSNorm, softmax; issue 23).
+STAGES = ("fwd", "bwd", "partials", "apply", "bwd_partials", "bwd_apply")
 
 
 @dataclasses.dataclass(frozen=True)
 class Query:
     """What the dispatcher knows when it lowers one op call (all static)."""
     op: str                      # "layer_norm", "rms_norm", ...
-    stage: str                   # "fwd" or "bwd"
+    stage: str                   # "fwd", "bwd" (or a per-device stage, STAGES)
     platform: str                # jax lowering platform: "cpu", "cuda", "rocm", "tpu"
     shape: tuple                 # x's shape (dims may be symbolic under jax.export)
     dtype: str                   # x's dtype name

@@ -220,6 +220,41 @@ def lower_partitioned(prim, rules: Rules, ctx, args, params):
     return mlir.lower_fun(lambda *a: cp(*a), multiple_results=True)(ctx, *args)
 
 
+# ------------------------------------------ combining per-device partials ---
+# For an op's `local`: per-row (or per-channel) partials of the devices that share a row
+# are gathered (one all_gather of O(rows × devices) floats: a single collective, where a
+# two-pass psum needs two in sequence) and merged on every device in device order, so
+# every device gets the bitwise same, exact statistics whatever algorithm the collective
+# uses.
+
+def gather_parts(parts, axes) -> list:
+    """[a gathered over the mesh axes `axes`, shape (devices,) + a.shape] for each array
+    of `parts` (same shape and dtype): one all_gather of them stacked."""
+    gathered = jax.lax.all_gather(jnp.stack(parts), axes)
+    return [gathered[:, i] for i in range(len(parts))]
+
+
+def ordered_sum(a):
+    """Σ over a's leading (device) axis, in index order."""
+    total = a[0]
+    for i in range(1, a.shape[0]):
+        total = total + a[i]
+    return total
+
+
+def merge_moment_parts(means, m2s, count: int):
+    """Mean and M2 (Σ (x − mean)²) of the union of parts, from each part's mean and M2
+    over `count` elements (the same count for every part: the shards of a divisible
+    axis), stacked along the leading axis: Chan's merge in part order, exact."""
+    total_mean = ordered_sum(means) / means.shape[0]
+    return total_mean, ordered_sum(m2s + count * jnp.square(means - total_mean))
+
+
+def merge_moments(mean, m2, axes, count: int):
+    """merge_moment_parts of every device's part along the mesh axes `axes`."""
+    return merge_moment_parts(*gather_parts([mean, m2], axes), count)
+
+
 def spans_devices(ctx) -> bool:
     """Whether this lowering is of a computation over several devices that XLA's SPMD
     partitioner will split (not a single device, not fully manual shard_map code)."""

@@ -42,6 +42,7 @@ from jax_ops.core.validate import check_broadcastable, check_epsilon, check_vect
 from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_policy, unpack_bits
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports)
+from jax_ops.core.sharding import merge_moments
 from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, flax_available,
                                   flax_linen_normalize, out_dtypes, sds, wider_x)
 from jax_ops.core.validate import dtype_name as _fmt_dtype
@@ -136,8 +137,9 @@ def _fwd_reference(x, z, scale, bias, mean_in, var_in, *, epsilon, training):
 # ---------------------------------------------------------------- sharding ---
 # Channels sharded: statistics are per channel, each device runs the kernels on its
 # channels. Rows sharded (data parallelism) in training: the statistics are those of
-# the global batch (jit semantics): per-channel partial sums psum'ed over the row axes
-# (two-pass: Σx, then Σ(x − mean)²; O(C) data each), then the kernel's inference pass
+# the global batch (jit semantics): each device's per-channel mean and M2 (two-pass over
+# its rows), one all_gather over the row axes (O(C × devices) data) merged exactly in
+# device order (core/sharding.merge_moments), then the kernel's inference pass
 # normalizes the local rows with them; the backward psums Σg and Σg·x̂ per channel and
 # forms dx with jnp. At inference each device normalizes its rows; dscale/dbias are
 # psum'ed.
@@ -152,10 +154,15 @@ def _global_rows(layout):
 
 def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, training,
                implementation):
-    xf = x.astype(jnp.float32)
-    n = _global_rows(layout)
-    mean = jax.lax.psum(jnp.sum(xf, axis=_row_axes(x)), layout.row_axes) / n
-    var = jax.lax.psum(jnp.sum(jnp.square(xf - mean), axis=_row_axes(x)), layout.row_axes) / n
+    n_local = _rows_channels(x.shape)[0]
+    xf = x.astype(jnp.float32)  # this device's rows: exact two-pass
+    mean_local = jnp.mean(xf, axis=_row_axes(x))
+    m2_local = jnp.sum(jnp.square(xf - mean_local), axis=_row_axes(x))
+    # One all_gather of every device's (mean, M2) per channel, merged in device order
+    # (Chan: exact): one collective on the critical path, where Σx then Σ(x − mean)²
+    # psum'ed were two in sequence.
+    mean, m2 = merge_moments(mean_local, m2_local, layout.row_axes, n_local)
+    var = m2 / _global_rows(layout)
     y, mask, _, _, rstd = FWD.call(x, z, scale, bias, mean, var, epsilon=epsilon, training=False,
                                    implementation=implementation)
     return y, mask, mean, var, rstd

@@ -3,6 +3,9 @@ the declaration (core/op.py) of layer_norm, rms_norm, add_layer_norm, add_rms_no
 
 Forward stage  jax_ops_norm_fwd(x, residual?, scale?, bias?) -> (y, h?, mean?, rstd?)
 Backward stage jax_ops_norm_bwd(dy, dh?, x, mean?, rstd, scale?) -> (dx, dscale?, dbias?)
+With the normalized axis sharded the per-device code (`_fwd_local`, `_bwd_local`) binds
+four more stages (partials, apply, bwd_partials, bwd_apply: "hidden-sharded stages"
+below) and combines their per-row partials across devices.
 
 Absent operands/results (no residual, no scale, no bias, statistics not wanted,
 RMSNorm's mean) are not bound. With a residual (add+norm) the forward also returns
@@ -30,8 +33,9 @@ from jax_ops import _extension
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.validate import check_epsilon, check_vectors, check_x
-from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
-                             pallas_supports, vmap_reference)
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_implementation,
+                             match_vma, pallas_supports, vmap_reference)
+from jax_ops.core.sharding import gather_parts, merge_moments, ordered_sum
 from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, accepts_x,
                                   flax_available, flax_linen_normalize, out_dtypes, sds,
                                   wider_x)
@@ -166,26 +170,56 @@ def _hidden_sharded(layout, params):
 
 
 def _fwd_local(layout, mesh, x, residual, scale, bias, *, implementation, **params):
-    """Per device, the normalized axis sharded: per-row partial sums psum'ed over the
-    column axes (O(rows) data), then the local columns normalized (jnp)."""
-    def row_sums(*a):
-        return jax.lax.psum(_row_sums(*a), layout.col_axes)
-    return _fwd_reference(x, residual, scale, bias, row_sums=row_sums, cols=layout.shape[-1], **params)
+    """Per device, the normalized axis sharded. With kernels (cuda, or automatic picking
+    them): PARTIALS writes each row's local mean/M2 (RMSNorm: Σx²; add+norm also h), one
+    all_gather over the column axes brings every device's (O(rows × devices) floats),
+    merged exactly in device order (Chan), then APPLY normalizes the local columns.
+    With xla: jnp, per-row partial sums psum'ed over the column axes (Σx, then
+    Σ(x − mean)²; O(rows) each)."""
+    if local_implementation(FWD, mesh, x, residual, scale, bias, implementation=implementation,
+                            **params) == "xla":
+        def row_sums(*a):
+            return jax.lax.psum(_row_sums(*a), layout.col_axes)
+        return _fwd_reference(x, residual, scale, bias, row_sums=row_sums, cols=layout.shape[-1],
+                              **params)
+    rms, epsilon, cols = params["rms"], params["epsilon"], layout.shape[-1]
+    mean_local, m2_local, h = PARTIALS.call(x, residual, rms=rms, implementation=implementation)
+    if rms:
+        mean, m2 = None, ordered_sum(gather_parts([m2_local], layout.col_axes)[0])
+    else:
+        mean, m2 = merge_moments(mean_local, m2_local, layout.col_axes, x.shape[-1])
+    rstd = jax.lax.rsqrt(m2 / cols + epsilon)
+    (y,) = APPLY.call(x if h is None else h, mean, rstd, scale, bias, implementation=implementation)
+    stats = params["with_stats"]
+    return y, h, mean if stats else None, rstd if stats else None
 
 
 def _bwd_local(layout, mesh, dy, dh, x, mean, rstd, scale, *, implementation, **params):
-    """Per device, the normalized axis sharded: Σg·x̂ and Σg per row psum'ed over the
-    column axes (one collective), dscale/dbias psum'ed over the row axes."""
+    """Per device, the normalized axis sharded. With kernels: BWD_PARTIALS writes Σg and
+    Σg·x̂ of the local columns per row, one all_gather over the column axes and an
+    in-order sum make the whole rows', BWD_APPLY writes dx and the local rows' float32
+    dscale/dbias. With xla: jnp, one psum of (Σg·x̂, Σg) per row. Either way
+    dscale/dbias (local columns) are psum'ed over the row axes."""
     rows = tuple(range(x.ndim - 1))
 
-    def row_sums(*a):
-        return jax.lax.psum(_row_sums(*a), layout.col_axes)
+    def col_total(a):
+        return jax.lax.psum(a, layout.row_axes) if layout.row_axes else a
 
-    def col_sums(a):
-        s = jnp.sum(a, axis=rows)
-        return jax.lax.psum(s, layout.row_axes) if layout.row_axes else s
-    return _bwd_reference(dy, dh, x, mean, rstd, scale, row_sums=row_sums, cols=layout.shape[-1],
-                          col_sums=col_sums, **params)
+    if local_implementation(BWD, mesh, dy, dh, x, mean, rstd, scale, implementation=implementation,
+                            **params) == "xla":
+        def row_sums(*a):
+            return jax.lax.psum(_row_sums(*a), layout.col_axes)
+        return _bwd_reference(dy, dh, x, mean, rstd, scale, row_sums=row_sums, cols=layout.shape[-1],
+                              col_sums=lambda a: col_total(jnp.sum(a, axis=rows)), **params)
+    rms, ds_dtype, db_dtype = params["rms"], params["dscale_dtype"], params["dbias_dtype"]
+    sum_g, sum_gx = BWD_PARTIALS.call(dy, x, mean, rstd, scale, rms=rms, implementation=implementation)
+    sums = [ordered_sum(p) for p in gather_parts([sum_gx] if rms else [sum_g, sum_gx], layout.col_axes)]
+    sum_g, sum_gx = (None, sums[0]) if rms else sums
+    dx, dscale, dbias = BWD_APPLY.call(dy, dh, x, mean, rstd, scale, sum_g, sum_gx, rms=rms,
+                                       inv_n=1.0 / layout.shape[-1], want_dscale=bool(ds_dtype),
+                                       want_dbias=bool(db_dtype), implementation=implementation)
+    return (dx, None if dscale is None else col_total(dscale).astype(ds_dtype),
+            None if dbias is None else col_total(dbias).astype(db_dtype))
 
 
 # --------------------------------------------------------------- backward ---
@@ -389,6 +423,155 @@ BWD = Stage("norm_bwd", "bwd", ("dy", "dh?", "x", "mean?", "rstd", "scale?"), ("
                  needs_local=_hidden_sharded, local=_bwd_local)
 
 
+# ------------------------------------------------ hidden-sharded stages (issue 23) ---
+# Per-device stages of `_fwd_local`/`_bwd_local` (the normalized axis split over
+# devices; bound only there, on the local shards): per-row partials of the local
+# columns, combined across devices by the local, then the pass that finishes with the
+# combined statistics. Statistics and sums are float32 per row (x's shape without the
+# last axis). Kernels: "cuda" (CUDA; the host handlers on CPU); "xla" runs the
+# references; no Pallas kernels (a pallas call gets the automatic choice for them).
+#   jax_ops_norm_partials(x, residual?) -> (mean?, m2, h?)     mean absent for RMSNorm (m2 = Σx²)
+#   jax_ops_norm_apply(x, mean?, rstd, scale?, bias?) -> (y,)
+#   jax_ops_norm_bwd_partials(dy, x, mean?, rstd, scale?) -> (sum_g?, sum_gx)
+#   jax_ops_norm_bwd_apply(dy, dh?, x, mean?, rstd, scale?, sum_g?, sum_gx)
+#       -> (dx, dscale?, dbias?)   params inv_n (1 / the whole row's length), want_dscale,
+#                                  want_dbias; dscale/dbias float32 sums over the local rows
+
+def _check_rows(stage, x, **arrays):
+    for name, a in arrays.items():
+        if a is not None and (tuple(a.shape) != tuple(x.shape[:-1]) or a.dtype != _F32):
+            raise ValueError(f"jax_ops {stage}: {name} must be float32 of shape {tuple(x.shape[:-1])} "
+                             f"(one value per row of x {tuple(x.shape)}); got {tuple(a.shape)} "
+                             f"{_fmt_dtype(a.dtype)}")
+
+
+def _check_like(stage, x, **arrays):
+    for name, a in arrays.items():
+        if a is not None and (tuple(a.shape) != tuple(x.shape) or a.dtype != x.dtype):
+            raise ValueError(f"jax_ops {stage}: {name} must match x {tuple(x.shape)} "
+                             f"{_fmt_dtype(x.dtype)}; got {tuple(a.shape)} {_fmt_dtype(a.dtype)}")
+
+
+def _stage_x(stage, x, scale=None, bias=None):
+    check_inputs(stage, x, scale, bias)
+    if x.shape[-1] < 1:
+        raise ValueError(f"jax_ops {stage}: x must have a last axis of size >= 1; got shape {x.shape}")
+
+
+def _partials_abstract(x, residual, *, rms):
+    _stage_x("norm partials", x)
+    _check_like("norm partials", x, residual=residual)
+    rows = core.ShapedArray(_stat_shape(x), _F32)
+    return (None if rms else rows), rows, (None if residual is None else core.ShapedArray(x.shape, x.dtype))
+
+
+def _partials_reference(x, residual, *, rms):
+    h = None
+    if residual is not None:
+        h, xf = add_rounded(x, residual)
+    else:
+        xf = x.astype(jnp.float32)
+    if rms:
+        return None, jnp.sum(jnp.square(xf), axis=-1), h
+    mean = jnp.mean(xf, axis=-1)
+    return mean, jnp.sum(jnp.square(xf - mean[..., None]), axis=-1), h
+
+
+def _apply_abstract(x, mean, rstd, scale, bias):
+    _stage_x("norm apply", x, scale, bias)
+    _check_rows("norm apply", x, mean=mean, rstd=rstd)
+    return (core.ShapedArray(x.shape, x.dtype),)
+
+
+def _apply_reference(x, mean, rstd, scale, bias):
+    y = (_f32(x) - (0.0 if mean is None else mean[..., None])) * rstd[..., None]
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return (y.astype(x.dtype),)
+
+
+def _bwd_partials_abstract(dy, x, mean, rstd, scale, *, rms):
+    _stage_x("norm bwd partials", x, scale)
+    _check_like("norm bwd partials", x, dy=dy)
+    _check_rows("norm bwd partials", x, mean=mean, rstd=rstd)
+    rows = core.ShapedArray(_stat_shape(x), _F32)
+    return (None if rms else rows), rows
+
+
+def _xhat_g(dy, x, mean, rstd, scale):
+    dyf = dy.astype(jnp.float32)
+    xhat = (_f32(x) - (0.0 if mean is None else mean[..., None])) * rstd[..., None]
+    return dyf, xhat, (dyf * scale.astype(jnp.float32) if scale is not None else dyf)
+
+
+def _bwd_partials_reference(dy, x, mean, rstd, scale, *, rms):
+    _, xhat, g = _xhat_g(dy, x, mean, rstd, scale)
+    return (None if rms else jnp.sum(g, axis=-1)), jnp.sum(g * xhat, axis=-1)
+
+
+def _bwd_apply_abstract(dy, dh, x, mean, rstd, scale, sum_g, sum_gx, *, rms, inv_n, want_dscale,
+                        want_dbias):
+    _stage_x("norm bwd apply", x, scale)
+    _check_like("norm bwd apply", x, dy=dy, dh=dh)
+    _check_rows("norm bwd apply", x, mean=mean, rstd=rstd, sum_g=sum_g, sum_gx=sum_gx)
+    if want_dscale and scale is None:
+        raise ValueError("jax_ops norm bwd apply: want_dscale needs scale")
+    col = core.ShapedArray(x.shape[-1:], _F32)
+    return (core.ShapedArray(x.shape, x.dtype), col if want_dscale else None, col if want_dbias else None)
+
+
+def _bwd_apply_reference(dy, dh, x, mean, rstd, scale, sum_g, sum_gx, *, rms, inv_n, want_dscale,
+                         want_dbias):
+    dyf, xhat, g = _xhat_g(dy, x, mean, rstd, scale)
+    mean_g = 0.0 if sum_g is None else (sum_g * inv_n)[..., None]
+    dx = rstd[..., None] * (g - mean_g - xhat * (sum_gx * inv_n)[..., None])
+    if dh is not None:
+        dx = dx + dh.astype(jnp.float32)
+    rows = tuple(range(x.ndim - 1))
+    return (dx.astype(x.dtype), jnp.sum(dyf * xhat, axis=rows) if want_dscale else None,
+            jnp.sum(dyf, axis=rows) if want_dbias else None)
+
+
+def _stage_op(rms_of: Callable[[dict], bool], add_at: int | None):
+    def op_of(params):
+        return _name(rms_of(params), add_at is not None and params["present"][add_at])
+    return op_of
+
+
+PARTIALS = Stage("norm_partials", "partials", ("x", "residual?"), ("mean?", "m2", "h?"),
+                 op_of=_stage_op(lambda p: p["rms"], 1), abstract=_partials_abstract,
+                 reference=_partials_reference)
+APPLY = Stage("norm_apply", "apply", ("x", "mean?", "rstd", "scale?", "bias?"), ("y",),
+              op_of=_stage_op(lambda p: not p["present"][1], None), abstract=_apply_abstract,
+              reference=_apply_reference)
+BWD_PARTIALS = Stage("norm_bwd_partials", "bwd_partials", ("dy", "x", "mean?", "rstd", "scale?"),
+                     ("sum_g?", "sum_gx"), op_of=_stage_op(lambda p: p["rms"], None),
+                     abstract=_bwd_partials_abstract, reference=_bwd_partials_reference)
+BWD_APPLY = Stage("norm_bwd_apply", "bwd_apply",
+                  ("dy", "dh?", "x", "mean?", "rstd", "scale?", "sum_g?", "sum_gx"),
+                  ("dx", "dscale?", "dbias?"),
+                  op_of=_stage_op(lambda p: p["rms"], 1), abstract=_bwd_apply_abstract,
+                  reference=_bwd_apply_reference)
+
+
+def _apply_workspace(call, operands, params):
+    x = operands[2]
+    want = bool(params["want_dscale"] or params["want_dbias"])
+    return core.ShapedArray(workspace_shape(x.shape, want), _F32)
+
+
+_STAGE_KERNELS = {
+    "partials": ffi("jax_ops_norm_partials", lambda p: {"rms": bool(p["rms"])}),
+    "apply": ffi("jax_ops_norm_apply"),
+    "bwd_partials": ffi("jax_ops_norm_bwd_partials", lambda p: {"rms": bool(p["rms"])}),
+    "bwd_apply": ffi("jax_ops_norm_bwd_apply",
+                     lambda p: {"rms": bool(p["rms"]), "inv_n": np.float32(p["inv_n"])},
+                     scratch=_apply_workspace),
+}
+
+
 def _residuals(ops, outs, params):  # add+norm keeps h, not x and residual
     x = ops["x"] if ops["residual"] is None else outs["h"]
     return x, outs["mean"], outs["rstd"], ops["scale"]
@@ -412,11 +595,12 @@ NORM = Op(
     ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"), FWD, BWD,
     outputs=lambda p: ("y", "h"), train=lambda p: dict(p, with_stats=True),
     residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
+    stages=(PARTIALS, APPLY, BWD_PARTIALS, BWD_APPLY),
     impls={
         "cuda": Impl({"fwd": ffi("jax_ops_norm_fwd",
                                  lambda p: {"epsilon": np.float32(p["epsilon"]), "rms": bool(p["rms"])}),
                       "bwd": ffi("jax_ops_norm_bwd", lambda p: {"rms": bool(p["rms"])},
-                                 scratch=_workspace)},
+                                 scratch=_workspace), **_STAGE_KERNELS},
                      supports=ffi_supports("jax_ops_norm_fwd"),
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},

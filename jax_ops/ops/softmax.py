@@ -2,6 +2,9 @@
 
 Forward stage  jax_ops_softmax_fwd(x, mask?) -> (y,)
 Backward stage jax_ops_softmax_bwd(y, dy) -> (dx,)
+With the softmax axis sharded the per-device code (`_fwd_local`, `_bwd_local`) binds four
+more stages (partials, apply, bwd_partials, bwd_apply: "hidden-sharded stages" below)
+and combines their per-row partials across devices.
 
 Params: axis (negative: counted from the end, so batching never shifts it), scale,
 log (log_softmax), causal, mask_kind ("none" | "bool" | "add"). The mask operand,
@@ -35,8 +38,9 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec, view_len
-from jax_ops.core.op import (Impl, Op, Stage, ffi_supports, match_vma,
-                             pallas_supports)
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_implementation,
+                             match_vma, pallas_supports)
+from jax_ops.core.sharding import gather_parts, ordered_sum
 from jax_ops.core.pattern import BF16, Formulation, Pattern, accepts_x, sds
 from jax_ops.core.validate import ACT_DTYPES
 from jax_ops.core.validate import dtype_name as _fmt_dtype
@@ -164,25 +168,13 @@ def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind, reduce=None,
     if reduce is None:
         def reduce(kind, a):
             return (jnp.max if kind == "max" else jnp.sum)(a, axis=axis, keepdims=True)
-    z = x.astype(jnp.float32)
-    if scale != 1.0:
-        z = z * scale
-    keep = None
-    if mask_kind == "bool":
-        keep = mask
-    elif mask_kind == "add":
-        z = z + mask.astype(jnp.float32)
-    if causal:
+    if causal and causal_at is None:
         q, offset = _causal_dims(x.shape)
-        if causal_at is None:
-            rows, cols = jnp.arange(q)[:, None], jnp.arange(x.shape[-1])[None, :]
-        else:
-            (rows, cols), (q, k) = causal_at
-            offset = k - q
-        tri = cols <= rows + offset
-        keep = tri if keep is None else keep & tri
-    if keep is not None:
-        z = jnp.where(keep, z, -jnp.inf)
+        causal_at = ((jnp.arange(q)[:, None], jnp.arange(x.shape[-1])[None, :]), offset)
+    elif causal:
+        (rows, cols), (q, k) = causal_at
+        causal_at = ((rows, cols), k - q)
+    z = _logits(x, mask, scale=scale, mask_kind=mask_kind, causal_at=causal_at if causal else None)
     # Empty (fully masked) rows from the max, not from the sum: XLA fuses this form
     # into one kernel (measured on the H100: testing the sum took two, at half speed).
     # jnp.max propagates NaN, so a NaN still reaches its whole row.
@@ -196,6 +188,27 @@ def _fwd_reference(x, mask, *, axis, scale, log, causal, mask_kind, reduce=None,
     else:
         y = jnp.where(empty, 0.0, e / s)
     return (y.astype(x.dtype),)
+
+
+def _logits(x, mask, *, scale, mask_kind, causal_at=None):
+    """z = x * scale with the mask and the causal rule (-inf where dropped), float32.
+    causal_at: ((rows, cols), offset), x's (local) row and column indices along its last
+    two axes, broadcastable, and the offset: keep col <= row + offset."""
+    z = x.astype(jnp.float32)
+    if scale != 1.0:
+        z = z * scale
+    keep = None
+    if mask_kind == "bool":
+        keep = mask
+    elif mask_kind == "add":
+        z = z + mask.astype(jnp.float32)
+    if causal_at is not None:
+        (rows, cols), offset = causal_at
+        tri = cols <= rows + offset
+        keep = tri if keep is None else keep & tri
+    if keep is not None:
+        z = jnp.where(keep, z, -jnp.inf)
+    return z
 
 
 def _fwd_batch(stage, args, dims, **params):
@@ -227,9 +240,10 @@ def _variant(params):
 
 # ---------------------------------------------------------------- sharding ---
 # Rows (every axis but the softmax axis) sharded: the kernel runs on each device's
-# rows. The softmax axis sharded: per-device max and sum-exp, pmax/psum over its mesh
-# axes (O(rows) data), the local columns normalized (jnp). Causal with the query or key
-# axis sharded: jnp with the shard's global row/column offsets.
+# rows. The softmax axis sharded: per-device max and sum-exp (the partials stage, or jnp
+# for xla), combined over its mesh axes (O(rows) data), then the local columns written
+# (the apply stage, or jnp). Causal with the query or key axis sharded: the device's
+# global row/column offsets.
 
 def _needs_local(layout, params):
     if layout.col_axes:
@@ -255,7 +269,56 @@ def _global_index(layout, dim, local):
     return i
 
 
+def _kernel_stages(stage, layout, mesh, *operands, **params) -> bool:
+    """Whether the per-device code runs our stage kernels (softmax over the last axis, and
+    the implementation resolving to other than xla for the local shards), else jnp."""
+    return params["axis"] == -1 and local_implementation(stage, mesh, *operands, **params) != "xla"
+
+
+def _causal_offset(layout, x):
+    """The causal rule's offset on this device: keep local column c of local row r
+    (along the query axis) iff c <= r + offset, offset = row0 − col0 + k − q with row0,
+    col0 the shard's first global query row and key column. An int32 scalar: it depends
+    on the device's position (axis_index)."""
+    nd = x.ndim
+    q, k = layout.shape[-2], layout.shape[-1]
+    offset = jnp.int32(k - q)
+    if layout.dims[nd - 2]:
+        offset = offset + jax.lax.axis_index(layout.dims[nd - 2]).astype(jnp.int32) * x.shape[-2]
+    if layout.dims[nd - 1]:
+        offset = offset - jax.lax.axis_index(layout.dims[nd - 1]).astype(jnp.int32) * x.shape[-1]
+    return offset
+
+
+def merge_max_sum_parts(ms, ss):
+    """The whole rows' (max, Σ exp(z − max)) from the parts' (stacked along the leading
+    axis), merged in part order."""
+    top = ms[0]
+    for i in range(1, ms.shape[0]):
+        top = jnp.maximum(top, ms[i])
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    return top, ordered_sum(jnp.where(ms == -jnp.inf, ss, ss * jnp.exp(ms - shift)))
+
+
+def _combine_max_sum(m, s, axes):
+    """merge_max_sum_parts of every device's along the mesh axes `axes`."""
+    return merge_max_sum_parts(*gather_parts([m, s], axes))
+
+
 def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, implementation):
+    """Per device, the softmax axis (or, causal, the query axis) sharded. With kernels:
+    PARTIALS writes each row's local (max, Σ exp) of the logits (scale, mask, causal rule
+    with the device's offset), one all_gather over the column axes brings every
+    device's (O(rows × devices) floats), merged in device order, and APPLY writes y.
+    Else jnp: pmax/psum over the column axes, causal from global indices."""
+    params = dict(axis=axis, scale=scale, log=log, causal=causal, mask_kind=mask_kind)
+    if _kernel_stages(FWD, layout, mesh, x, mask, implementation=implementation, **params):
+        offset = _causal_offset(layout, x) if causal else None
+        kw = dict(scale=scale, causal=causal, mask_kind=mask_kind, implementation=implementation)
+        m, s = PARTIALS.call(x, mask, offset, **kw)
+        if layout.col_axes:
+            m, s = _combine_max_sum(m, s, layout.col_axes)
+        return APPLY.call(x, mask, offset, m, s, log=log, **kw)
     causal_at = None
     if causal:
         nd = x.ndim
@@ -267,6 +330,13 @@ def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, im
 
 
 def _bwd_local(layout, mesh, y, dy, *, axis, scale, log, implementation):
+    """Per device, the softmax axis sharded: with kernels BWD_PARTIALS (Σ dy·y; log: Σ dy
+    per row), all_gather and an in-order sum, BWD_APPLY; else jnp with a psum."""
+    if _kernel_stages(BWD, layout, mesh, y, dy, implementation=implementation, axis=axis,
+                      scale=scale, log=log):
+        (dot,) = BWD_PARTIALS.call(y, dy, log=log, implementation=implementation)
+        dot = ordered_sum(gather_parts([dot], layout.col_axes)[0])
+        return BWD_APPLY.call(y, dy, dot, scale=scale, log=log, implementation=implementation)
     reduce = _reducer(layout, axis)
     return ((scale * _logit_grad(y, dy, axis, log, lambda a: reduce("sum", a))).astype(y.dtype),)
 
@@ -325,16 +395,22 @@ def _kernel_layout(x, mask, axis):
     return x, mask.reshape(-1, x.shape[-1]), groups
 
 
-def _cuda_fwd(call, x, mask, *, axis, scale, log, causal, mask_kind):
-    xk, mask2, groups = _kernel_layout(x, mask, axis)
+def _kernel_mask(xk, mask2, groups):
+    """The mask operand and its attributes as the forward handlers take them."""
     if mask2 is None:  # the handler's ABI: a zero-element buffer stands for no mask
         m = jnp.zeros((0,), _F32)
     else:  # the handler wants x's rank: (mask rows, 1, ..., 1, cols)
         m = mask2.reshape(mask2.shape[-1:]) if xk.ndim == 1 else \
             mask2.reshape(mask2.shape[:1] + (1,) * (xk.ndim - 2) + mask2.shape[-1:])
+    return m, dict(has_mask=mask2 is not None,
+                   mask_map=np.asarray(groups or [(1, 1, 0)], np.int64).reshape(-1))
+
+
+def _cuda_fwd(call, x, mask, *, axis, scale, log, causal, mask_kind):
+    xk, mask2, groups = _kernel_layout(x, mask, axis)
+    m, mask_attrs = _kernel_mask(xk, mask2, groups)
     y = jax.ffi.ffi_call("jax_ops_softmax_fwd", jax.ShapeDtypeStruct(xk.shape, xk.dtype))(
-        xk, m, scale=np.float32(scale), log=bool(log), causal=bool(causal),
-        has_mask=mask is not None, mask_map=np.asarray(groups or [(1, 1, 0)], np.int64).reshape(-1))
+        xk, m, scale=np.float32(scale), log=bool(log), causal=bool(causal), **mask_attrs)
     return (jnp.moveaxis(y, -1, axis),)
 
 
@@ -416,6 +492,144 @@ BWD = Stage("softmax_bwd", "bwd", ("y", "dy"), ("dx",),
             axis=_axis, variant=_variant, query_shape=_query_shape)
 
 
+# ------------------------------------------------ hidden-sharded stages (issue 23) ---
+# Per-device stages of `_fwd_local`/`_bwd_local` (the softmax axis, the last, split over
+# devices, or causal with the query axis split; bound only there, on the local shards).
+# Per-row values are float32 of x's shape without the last axis. The logits are the
+# unsharded op's: scale, the mask (bool or additive, its local columns: a mask's key
+# axis is sharded with x's, or broadcast), and the causal rule with `offset`, an int32
+# scalar operand (the device's row0 − col0 + k − q: it depends on the device, so it
+# cannot be a static attribute). Kernels: "cuda" (the host handlers on CPU); "xla" runs
+# the references; no Pallas kernels (a pallas call gets the automatic choice for them).
+#   jax_ops_softmax_partials(x, mask?, offset?) -> (max, sum)   sum = Σ exp(z − safe max)
+#   jax_ops_softmax_apply(x, mask?, offset?, max, sum) -> (y,)   max/sum: the whole rows'
+#   jax_ops_softmax_bwd_partials(y, dy) -> (dot,)                Σ dy·y (log: Σ dy)
+#   jax_ops_softmax_bwd_apply(y, dy, dot) -> (dx,)
+
+def _stage_rows(x):
+    return core.ShapedArray(x.shape[:-1], _F32)
+
+
+def _check_stage_rows(stage, x, **arrays):
+    for name, a in arrays.items():
+        if tuple(a.shape) != tuple(x.shape[:-1]) or a.dtype != _F32:
+            raise ValueError(f"jax_ops {stage}: {name} must be float32 of shape {tuple(x.shape[:-1])} "
+                             f"(one value per row of x {tuple(x.shape)}); got {tuple(a.shape)} "
+                             f"{_fmt_dtype(a.dtype)}")
+
+
+def _check_stage_x(stage, x, mask, offset, causal, mask_kind):
+    _fwd_abstract(x, mask, axis=-1, scale=1.0, log=False, causal=causal, mask_kind=mask_kind)
+    if causal and x.ndim < 2:
+        raise ValueError(f"jax_ops {stage}: causal needs x of rank >= 2; got {tuple(x.shape)}")
+    if offset is not None and (not causal or offset.shape != () or offset.dtype != jnp.int32):
+        raise ValueError(f"jax_ops {stage}: offset is the causal rule's int32 scalar; got "
+                         f"{tuple(offset.shape)} {_fmt_dtype(offset.dtype)} with causal={causal}")
+
+
+def _partials_abstract(x, mask, offset, *, scale, causal, mask_kind):
+    _check_stage_x("softmax partials", x, mask, offset, causal, mask_kind)
+    return _stage_rows(x), _stage_rows(x)
+
+
+def _stage_logits(x, mask, offset, scale, causal, mask_kind):
+    causal_at = None
+    if causal:
+        q, k_minus_q = _causal_dims(x.shape)
+        causal_at = ((jnp.arange(q)[:, None], jnp.arange(x.shape[-1])[None, :]),
+                     k_minus_q if offset is None else offset)
+    return _logits(x, mask, scale=scale, mask_kind=mask_kind, causal_at=causal_at)
+
+
+def _partials_reference(x, mask, offset, *, scale, causal, mask_kind):
+    z = _stage_logits(x, mask, offset, scale, causal, mask_kind)
+    m = jnp.max(z, axis=-1)
+    shift = jnp.where(m == -jnp.inf, 0.0, m)
+    return m, jnp.sum(jnp.exp(z - shift[..., None]), axis=-1)
+
+
+def _apply_abstract(x, mask, offset, m, s, *, scale, log, causal, mask_kind):
+    _check_stage_x("softmax apply", x, mask, offset, causal, mask_kind)
+    _check_stage_rows("softmax apply", x, max=m, sum=s)
+    return (core.ShapedArray(x.shape, x.dtype),)
+
+
+def _apply_reference(x, mask, offset, m, s, *, scale, log, causal, mask_kind):
+    """y from the whole row's max m and sum s (rows with s = 0 are fully masked)."""
+    z = _stage_logits(x, mask, offset, scale, causal, mask_kind)
+    shift = jnp.where(m == -jnp.inf, 0.0, m)[..., None]
+    s = s[..., None]
+    empty = s == 0.0
+    if log:
+        y = jnp.where(empty, -jnp.inf, (z - shift) - jnp.log(jnp.where(empty, 1.0, s)))
+    else:
+        y = jnp.where(empty, 0.0, jnp.exp(z - shift) / jnp.where(empty, 1.0, s))
+    return (y.astype(x.dtype),)
+
+
+def _bwd_partials_abstract(y, dy, *, log):
+    _bwd_abstract(y, dy, axis=-1, scale=1.0, log=log)
+    return (_stage_rows(y),)
+
+
+def _bwd_partials_reference(y, dy, *, log):
+    yf, dyf = y.astype(jnp.float32), dy.astype(jnp.float32)
+    term = jnp.where(yf != -jnp.inf, dyf, 0.0) if log else dyf * yf
+    return (jnp.sum(term, axis=-1),)
+
+
+def _bwd_apply_abstract(y, dy, dot, *, scale, log):
+    _bwd_abstract(y, dy, axis=-1, scale=scale, log=log)
+    _check_stage_rows("softmax bwd apply", y, dot=dot)
+    return (core.ShapedArray(y.shape, y.dtype),)
+
+
+def _bwd_apply_reference(y, dy, dot, *, scale, log):
+    yf, dyf, dot = y.astype(jnp.float32), dy.astype(jnp.float32), dot[..., None]
+    if log:
+        dz = jnp.where(yf != -jnp.inf, dyf - jnp.exp(yf) * dot, 0.0)
+    else:
+        dz = yf * (dyf - dot)
+    return ((scale * dz).astype(y.dtype),)
+
+
+PARTIALS = Stage("softmax_partials", "partials", ("x", "mask?", "offset?"), ("max", "sum"),
+                 op_of=lambda p: "softmax", abstract=_partials_abstract, reference=_partials_reference)
+APPLY = Stage("softmax_apply", "apply", ("x", "mask?", "offset?", "max", "sum"), ("y",),
+              op_of=_op_of, abstract=_apply_abstract, reference=_apply_reference)
+BWD_PARTIALS = Stage("softmax_bwd_partials", "bwd_partials", ("y", "dy"), ("dot",),
+                     op_of=_op_of, abstract=_bwd_partials_abstract, reference=_bwd_partials_reference)
+BWD_APPLY = Stage("softmax_bwd_apply", "bwd_apply", ("y", "dy", "dot"), ("dx",),
+                  op_of=_op_of, abstract=_bwd_apply_abstract, reference=_bwd_apply_reference)
+
+
+def _stage_ffi_call(target, call, x, mask, offset, extra, **attrs):
+    xk, mask2, groups = _kernel_layout(x, mask, -1)
+    m, mask_attrs = _kernel_mask(xk, mask2, groups)
+    off = jnp.zeros((0,), _F32) if offset is None else offset
+    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.out_avals]
+    return tuple(jax.ffi.ffi_call(target, outs)(xk, m, off, *extra, **attrs, **mask_attrs))
+
+
+def _cuda_partials(call, x, mask, offset, *, scale, causal, mask_kind):
+    return _stage_ffi_call("jax_ops_softmax_partials", call, x, mask, offset, (),
+                           scale=np.float32(scale), causal=bool(causal))
+
+
+def _cuda_apply(call, x, mask, offset, m, s, *, scale, log, causal, mask_kind):
+    return _stage_ffi_call("jax_ops_softmax_apply", call, x, mask, offset, (m, s),
+                           scale=np.float32(scale), log=bool(log), causal=bool(causal))
+
+
+_STAGE_KERNELS = {
+    "partials": _cuda_partials,
+    "apply": _cuda_apply,
+    "bwd_partials": ffi("jax_ops_softmax_bwd_partials", lambda p: {"log": bool(p["log"])}),
+    "bwd_apply": ffi("jax_ops_softmax_bwd_apply",
+                     lambda p: {"scale": np.float32(p["scale"]), "log": bool(p["log"])}),
+}
+
+
 def _residuals(ops, outs, params):
     return (outs["y"],)
 
@@ -439,8 +653,9 @@ SOFTMAX = Op(
     ("softmax", "log_softmax"), FWD, BWD,
     outputs=lambda p: ("y",), residuals=_residuals, backward=_backward,
     user_adapter=_user_adapter,
+    stages=(PARTIALS, APPLY, BWD_PARTIALS, BWD_APPLY),
     impls={
-        "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd},
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd, **_STAGE_KERNELS},
                      supports=ffi_supports("jax_ops_softmax_fwd"), automatic=_last_axis_only,
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
