@@ -557,9 +557,20 @@ BWD_APPLY = Stage("norm_bwd_apply", "bwd_apply",
 
 
 def _apply_workspace(call, operands, params):
+    """[2, P, cols] float32 partials of the column-tiled dscale/dbias kernel: its row
+    chunks fill the GPU about 8 times over with 32-lane column tiles (cuda_utils.cuh,
+    tile_grid), so at most 8 * 264 / tiles (264: twice an H100's SMs, the margin for
+    larger GPUs; the kernel caps its chunks at P either way). CPU: no partials, 1 row."""
     x = operands[2]
-    want = bool(params["want_dscale"] or params["want_dbias"])
-    return core.ShapedArray(workspace_shape(x.shape, want), _F32)
+    if not (params["want_dscale"] or params["want_dbias"]):
+        return core.ShapedArray((0,), _F32)
+    cols, rows = x.shape[-1], _static_rows(x.shape)
+    p = 1
+    if call.platform == "cuda":
+        tiles = -(-cols // 128)  # 32 lanes of 16-byte float32 packs; fewer tiles for 16-bit x
+        p = -(-8 * 264 // tiles)
+        p = min(p, rows) if rows >= 0 else p
+    return core.ShapedArray((2, max(1, p), cols), _F32)
 
 
 _STAGE_KERNELS = {
