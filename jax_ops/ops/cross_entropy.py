@@ -596,6 +596,11 @@ def lce_estimate(rows: int, d: int, vocab: int, itemsize: int, kind: str | None,
     return out
 
 
+#: Chunks per iteration of the chunk loop (lax.scan's unroll), read at trace time; a
+#: measurement knob (benchmarks/lce_unroll.py).
+LCE_SCAN_UNROLL = 1
+
+
 def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
     """Scan over row chunks. h (N, d); lab/weight (N,); mask None, (1, V) or (N, V).
     Returns the per-row weighted losses (N,) and, with_grad, (dh (N, d) in h's dtype,
@@ -637,7 +642,7 @@ def _lce_chunks(h, w, bias, lab, weight, mask, cfg, with_grad):
     init = (jnp.zeros(w.shape, jnp.float32), None if bias is None else jnp.zeros((V,), jnp.float32))
     if not with_grad:
         init = ()
-    carry, (loss, dh) = jax.lax.scan(body, init, xs)
+    carry, (loss, dh) = jax.lax.scan(body, init, xs, unroll=LCE_SCAN_UNROLL)
     loss = loss.reshape(-1)[:N]
     if not with_grad:
         return loss, None
