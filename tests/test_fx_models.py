@@ -193,3 +193,42 @@ def test_haiku_resnet_and_mlp():
     assert counts["log_softmax"] == 1 and counts["add_relu"] + counts["relu"] == 1, recs
     fast = jax_ops.optimize(m.apply, policy="always")
     assert _rel(fast(p, xs), m.apply(p, xs)) < 1e-6
+
+
+@pytest.mark.parametrize("fast_variance", [False, True])
+def test_haiku_norms(fast_variance):
+    """haiku's LayerNorm (plain and use_fast_variance, with and without its parameters)
+    and RMSNorm become our ops, a residual add before one becomes add_layer_norm; over
+    another axis, or with its mean used again, they stay."""
+    hk = pytest.importorskip("haiku")
+
+    def block(x):
+        h = hk.Linear(32)(hk.LayerNorm(-1, True, True, eps=1e-3, use_fast_variance=fast_variance)(x))
+        h = x + h  # pre-norm residual, then the next norm: add_layer_norm
+        y = hk.LayerNorm(-1, False, False, use_fast_variance=fast_variance)(h)
+        return hk.RMSNorm(-1, eps=1e-5)(hk.Linear(32)(y)) + h
+
+    m = hk.without_apply_rng(hk.transform(block))
+    x = jax.random.normal(jax.random.key(5), (4, 6, 32)) * 2 + 1
+    p = m.init(jax.random.key(0), x)
+    p = jax.tree.map(lambda a: a + 0.1 * jax.random.normal(jax.random.key(6), a.shape), p)
+
+    def loss(p, x):
+        return jnp.sum(m.apply(p, x) ** 2)
+    counts, recs = _replaced(loss, p, x)
+    assert counts == {"layer_norm": 1, "add_layer_norm": 1, "rms_norm": 1}, recs
+    fast = jax_ops.optimize(loss, policy="always")
+    l1, g1 = jax.value_and_grad(fast, argnums=(0, 1))(p, x)
+    l2, g2 = jax.value_and_grad(loss, argnums=(0, 1))(p, x)
+    assert _rel(l1, l2) < 1e-5
+    _tree_close(g1, g2, 1e-4)
+
+    # near misses: normalized over the rows' axis; over two axes
+    for axis, param_axis in ((-2, -2), ((-2, -1), -1)):
+        def other(x):
+            return hk.LayerNorm(axis, True, True, param_axis=param_axis,
+                                use_fast_variance=fast_variance)(x)
+        mo = hk.without_apply_rng(hk.transform(other))
+        po = mo.init(jax.random.key(0), x)
+        counts, recs = _replaced(mo.apply, po, x)
+        assert not counts, (axis, recs)

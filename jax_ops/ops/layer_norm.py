@@ -800,8 +800,8 @@ def layer_norm_specs() -> dict[str, BenchSpec]:
 
 # ------------------------------------------------ layer_norm family: rewrite patterns (jax_ops.fx) ---
 # The computations jax_ops.optimize replaces by these ops (core/pattern.py): LayerNorm
-# and RMSNorm over the last axis as flax (linen, nnx), jax.nn.standardize and hand-written
-# jnp compute them. Each formulation's variable names appear in rewrites()'s reasons
+# and RMSNorm over the last axis as flax (linen, nnx), haiku, jax.nn.standardize and
+# hand-written jnp compute them. Each formulation's variable names appear in rewrites()'s reasons
 # ("intermediate mean used elsewhere"): keep one assignment per line.
 
 def _norm_examples(with_bias: bool):
@@ -918,6 +918,39 @@ def _handwritten_rms_static(avals, out_aval):
     return [{"upcast": u, "denominator": d} for u in (False, True) for d in ("rsqrt", "sqrt_div")]
 
 
+def _haiku_layer_norm(x, scale, bias, *, epsilon, fast):
+    """haiku.LayerNorm(axis=-1, param_axis=-1) (haiku/_src/layer_norm.py): statistics and
+    arithmetic in x's dtype, inv = scale * rsqrt(var + eps), then inv * (x - mean) + offset;
+    without create_scale/create_offset the parameters are the constants 1 and 0."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    if fast:
+        mean_of_squares = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        variance = mean_of_squares - jnp.square(mean)
+    else:
+        variance = jnp.var(x, axis=-1, keepdims=True)
+    scale = np.array(1., dtype=x.dtype) if scale is None else scale
+    offset = np.array(0., dtype=x.dtype) if bias is None else bias
+    eps = jax.lax.convert_element_type(epsilon, variance.dtype)
+    inv = scale * jax.lax.rsqrt(variance + eps)
+    return inv * (x - mean) + offset
+
+
+def _haiku_ln_static(avals, out_aval):
+    return [{"fast": fast} for fast in (False, True)]
+
+
+def _haiku_rms_norm(x, scale, *, epsilon):
+    """haiku.RMSNorm(axis=-1): x * broadcast(scale) * rsqrt(broadcast(mean(x^2)) + eps)."""
+    scale = 1. if scale is None else jnp.broadcast_to(scale, x.shape)
+    mean_squared = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    mean_squared = jnp.broadcast_to(mean_squared, x.shape)
+    return x * scale * jax.lax.rsqrt(mean_squared + epsilon)
+
+
+def _haiku_rms_static(avals, out_aval):
+    return [{}]
+
+
 def _flax_rms(fn):
     def rms(x, scale, *, epsilon, fast, dtype, rms):
         return fn(x, scale, None, epsilon=epsilon, fast=fast, dtype=dtype, rms=rms)
@@ -948,7 +981,8 @@ def rms_norm_replacement(x, scale=None, *, epsilon, out_dtype, **_):
 
 def _layer_norm_formulations() -> list[Formulation]:
     forms = [Formulation(_handwritten_layer_norm, _handwritten_ln_static, "jnp"),
-             Formulation(_standardize, _standardize_static, "jax.nn.standardize")]
+             Formulation(_standardize, _standardize_static, "jax.nn.standardize"),
+             Formulation(_haiku_layer_norm, _haiku_ln_static, "haiku.LayerNorm")]
     if flax_available():
         forms += [Formulation(_flax_linen_norm, _flax_static(False), "flax.linen.LayerNorm"),
                   Formulation(_flax_nnx_norm, _flax_static(False), "flax.nnx.LayerNorm")]
@@ -956,7 +990,8 @@ def _layer_norm_formulations() -> list[Formulation]:
 
 
 def _rms_norm_formulations() -> list[Formulation]:
-    forms = [Formulation(_handwritten_rms_norm, _handwritten_rms_static, "jnp")]
+    forms = [Formulation(_handwritten_rms_norm, _handwritten_rms_static, "jnp"),
+             Formulation(_haiku_rms_norm, _haiku_rms_static, "haiku.RMSNorm")]
     if flax_available():
         forms += [Formulation(_flax_rms(_flax_linen_norm), _flax_static(True), "flax.linen.RMSNorm"),
                   Formulation(_flax_rms(_flax_nnx_norm), _flax_static(True), "flax.nnx.RMSNorm")]
