@@ -1,6 +1,9 @@
-"""Helpers shared by the op test suites: the lowering platform and skipping
-implementations that cannot lower on it."""
+"""Helpers shared by the op test suites: the lowering platform, skipping
+implementations that cannot lower on it, and the collectives of compiled HLO."""
 from __future__ import annotations
+
+import math
+import re
 
 import jax
 import pytest
@@ -39,3 +42,24 @@ def primitive_names(closed_jaxpr) -> set[str]:
     """Names of the primitives in a jaxpr, nested bodies (jit, scan, cond) included."""
     from jax_ops.core.calls import equations
     return {eqn.primitive.name for eqn in equations(closed_jaxpr.jaxpr)}
+
+
+_COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
+                   r"reduce-scatter|all-gather-start|all-reduce-start)\(")
+
+
+def hlo_collectives(text: str) -> list[tuple[str, list[int]]]:
+    """[(kind, [element counts of its results])] of each collective in compiled HLO text."""
+    out = []
+    for line in text.splitlines():
+        m = _COLL.search(line)
+        if m:
+            shapes = re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))
+            out.append((m.group(2).replace("-start", ""),
+                        [math.prod(int(d) for d in s.split(",") if d) for s in shapes]))
+    return out
+
+
+def collectives(fn, *args) -> list[tuple[str, list[int]]]:
+    """hlo_collectives of jit(fn)'s compiled HLO for args."""
+    return hlo_collectives(jax.jit(fn).lower(*args).compile().as_text())

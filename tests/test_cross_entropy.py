@@ -622,22 +622,6 @@ def test_poisoned_donation_does_not_leak():
 
 # --------------------------------------------------------------- sharding ---
 
-_COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
-                   r"reduce-scatter|all-gather-start|all-reduce-start)\(")
-
-
-def _collectives(fn, *args):
-    """[(kind, [element counts of its results])] of fn's compiled HLO."""
-    import math
-    out = []
-    for line in jax.jit(fn).lower(*args).compile().as_text().splitlines():
-        m = _COLL.search(line)
-        if m:
-            shapes = re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))
-            out.append((m.group(2).replace("-start", ""),
-                        [math.prod(int(d) for d in s.split(",") if d) for s in shapes]))
-    return out
-
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 @pytest.mark.parametrize("impl", ["xla", "cuda"])
@@ -667,7 +651,7 @@ def test_sharded_equals_unsharded(spec, impl):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-6, atol=1e-8)
     np.testing.assert_allclose(np.asarray(jax.jit(g)(xs, ls)), np.asarray(jax.jit(g)(x, labels)),
                                rtol=2e-6, atol=1e-8)
-    for kind, sizes in _collectives(f, xs, ls):
+    for kind, sizes in support.collectives(f, xs, ls):
         assert kind == "all-reduce" and all(n <= 32 for n in sizes), (kind, sizes)
 
 

@@ -6,7 +6,6 @@ or all-to-all of activations; all-reduces of O(rows) or O(cols) data). Also shar
 from __future__ import annotations
 
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ops
 from jax_ops.ops.relu import FWD as RELU_FWD
+from support import collectives
 from support import need as _need
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -42,23 +42,6 @@ def case_mesh(op, impl, mesh_name, pallas_here=None):
 
 
 # ------------------------------------------------------------ HLO checks ---
-
-_COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
-                   r"reduce-scatter|all-gather-start|all-reduce-start)\(")
-
-
-def collectives(fn, *args):
-    """[(kind, [element counts of its results])] of fn's compiled HLO."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    out = []
-    for line in text.splitlines():
-        m = _COLL.search(line)
-        if m:
-            shapes = re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))
-            out.append((m.group(2).replace("-start", ""),
-                        [math.prod(int(d) for d in s.split(",") if d) for s in shapes]))
-    return out
-
 
 def check_hlo(colls, *, small: int, want_reduce: int | None = None):
     """No all-gather/all-to-all/collective-permute/reduce-scatter of more than `small`

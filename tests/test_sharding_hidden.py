@@ -24,6 +24,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ops
+from support import hlo_collectives as collectives
 from support import need
 
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -69,21 +70,6 @@ def cotangents(outs):
 
 
 # ------------------------------------------------------------ HLO checks ---
-
-_COLL = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all|collective-permute|"
-                   r"reduce-scatter|all-gather-start|all-reduce-start)\(")
-
-
-def collectives(text):
-    """[(kind, [element counts of its results])] of compiled HLO text."""
-    out = []
-    for line in text.splitlines():
-        m = _COLL.search(line)
-        if m:
-            shapes = re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))
-            out.append((m.group(2).replace("-start", ""),
-                        [math.prod(int(d) for d in s.split(",") if d) for s in shapes]))
-    return out
 
 
 def custom_calls(text):
