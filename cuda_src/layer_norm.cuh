@@ -70,26 +70,20 @@ __device__ __forceinline__ NormAcc group_merge(NormAcc acc, bool rms) {
   return acc;
 }
 
-// Whole-block merge: the block's merged state, valid in warp 0.
-__device__ __forceinline__ NormAcc block_merge(NormAcc acc, bool rms) {
+// Whole-block merge; returns the row statistics to every thread.
+__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms) {
   __shared__ float red[3][32];
+  __shared__ RowStats bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
   acc = group_merge<32>(acc, rms);
   if (lane == 0) { red[0][warp] = acc.mean; red[1][warp] = acc.m2; red[2][warp] = acc.count; }
   __syncthreads();
-  NormAcc w;
   if (warp == 0) {
+    NormAcc w;
     if (lane < nwarps) { w.mean = red[0][lane]; w.m2 = red[1][lane]; w.count = red[2][lane]; }
     w = group_merge<32>(w, rms);
+    if (lane == 0) bcast = finish_stats(w, cols, eps, rms);
   }
-  return w;
-}
-
-// Whole-block merge; returns the row statistics to every thread.
-__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms) {
-  __shared__ RowStats bcast;
-  const NormAcc w = block_merge(acc, rms);
-  if (threadIdx.x == 0) bcast = finish_stats(w, cols, eps, rms);
   __syncthreads();
   return bcast;
 }

@@ -147,6 +147,18 @@ ffi::DataType bwd_param_dtype(const ffi::AnyBuffer& scale, const ffi::AnyBuffer&
 
 // ------------------------------------------------------------------- CPU ---
 
+// Row r of what the CPU forward normalizes: x, or for add+norm h = x + residual
+// (rounded to T), written to h first.
+template <typename T>
+const T* row_to_normalize(const T* x, const void* residual, void* h, int64_t r, int64_t cols) {
+  const T* xr = x + r * cols;
+  if (residual == nullptr) return xr;
+  const T* res = static_cast<const T*>(residual) + r * cols;
+  T* hr = static_cast<T*>(h) + r * cols;
+  for (int64_t c = 0; c < cols; ++c) hr[c] = add_rounded(xr[c], res[c]);
+  return hr;
+}
+
 template <typename T, typename P>
 void fwd_cpu(const FwdAddArgs& a) {
   const T* x = static_cast<const T*>(a.x);
@@ -154,13 +166,7 @@ void fwd_cpu(const FwdAddArgs& a) {
   const P* scale = static_cast<const P*>(a.scale);
   const P* bias = static_cast<const P*>(a.bias);
   for (int64_t r = 0; r < a.rows; ++r) {
-    const T* xr = x + r * a.cols;
-    if (a.residual) {  // add+norm: write h = x + residual, then normalize h
-      const T* res = static_cast<const T*>(a.residual) + r * a.cols;
-      T* hr = static_cast<T*>(a.h) + r * a.cols;
-      for (int64_t c = 0; c < a.cols; ++c) hr[c] = add_rounded(xr[c], res[c]);
-      xr = hr;
-    }
+    const T* xr = row_to_normalize(x, a.residual, a.h, r, a.cols);
     NormAcc acc;
     for (int64_t c = 0; c < a.cols; ++c) acc.add(to_float(xr[c]), a.rms);
     const RowStats st = finish_stats(acc, a.cols, a.eps, a.rms);
@@ -379,13 +385,7 @@ ffi::ErrorOr<BwdApplyArgs> bwd_apply_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, 
 template <typename T>
 void part_cpu(const PartArgs& a) {
   for (int64_t r = 0; r < a.rows; ++r) {
-    const T* xr = static_cast<const T*>(a.x) + r * a.cols;
-    if (a.residual) {
-      const T* res = static_cast<const T*>(a.residual) + r * a.cols;
-      T* hr = static_cast<T*>(a.h) + r * a.cols;
-      for (int64_t c = 0; c < a.cols; ++c) hr[c] = add_rounded(xr[c], res[c]);
-      xr = hr;
-    }
+    const T* xr = row_to_normalize(static_cast<const T*>(a.x), a.residual, a.h, r, a.cols);
     NormAcc acc;
     for (int64_t c = 0; c < a.cols; ++c) acc.add(to_float(xr[c]), a.rms);
     if (a.mean) a.mean[r] = acc.mean;
