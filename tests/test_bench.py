@@ -46,6 +46,24 @@ def test_fwd_res_returns_the_residuals_the_backward_uses(tmp_path):
     assert errs == {"jnp": 0.0}
 
 
+def test_step_mode_is_fwd_bwd_with_dy_after_y():
+    """step: the same outputs as fwd_bwd, but dy passes an optimization barrier with y,
+    so XLA can't start the backward's reductions over dy in the forward's pass over x
+    (no model can: dy depends on y)."""
+    (x, params, dy) = bench.make_sets("layer_norm", jnp.float32, 8, 40, 1, True, seed=5)[0]
+    fn = bench.make_op("layer_norm", "flax", jnp.float32)
+    outs = {}
+    for mode in ("fwd_bwd", "step"):
+        (args,) = bench.mode_args(fn, mode, [(x, params, dy)])
+        f = jax.jit(bench.per_set_fn(fn, mode))
+        outs[mode] = f(*args)
+        barrier = "optimization_barrier" in f.lower(*args).as_text()
+        assert barrier == (mode == "step"), mode
+    jax.tree.map(np.testing.assert_array_equal, outs["step"], outs["fwd_bwd"])
+    assert bench.min_bytes("layer_norm", "step", 8, 40, "f32") == \
+        bench.min_bytes("layer_norm", "fwd_bwd", 8, 40, "f32")
+
+
 def test_rel_err_is_a_relative_norm_not_a_max():
     """One element of many flipped at a ReLU kink must not read as a 100 % error."""
     ref = jnp.ones((1000,), jnp.float32)

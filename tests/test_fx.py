@@ -1043,8 +1043,14 @@ def test_conv_batch_norm_folds_a_resnet_block_in_inference(dtype):
     assert recs[0].module == "ResBlock/BatchNorm_0" and recs[0].params["epsilon"] == pytest.approx(1e-5)
     fast = jax_ops.optimize(fn)
     g = fx.trace(fast, x, v)
-    assert sum(n.name == "conv_general_dilated" for _, n in g.walk()) == 2
+    convs = [n for _, n in g.walk() if n.name == "conv_general_dilated"]
+    assert len(convs) == 2
     assert not any(n.name == "rsqrt" and n.outputs[0].shape != (8,) for _, n in g.walk())
+    # each conv's output takes the folded bias in its own dtype (bf16: no float32 round
+    # trip), the form XLA fuses into cuDNN's convolution with the bias and relu
+    for conv in convs:
+        (user,) = conv.outputs[0].users
+        assert user.name == "add" and user.outputs[0].dtype == dtype, user
     with jax.default_matmul_precision("highest"):  # a GPU's default conv is TF32
         _tree_agree(fast(x, v), fn(x, v), fn(*_f32((x, v))), dtype)
 

@@ -48,6 +48,11 @@ Modes ("--mode"), per input set (x, params, dy):
   bwd      vjp_fn is made beforehand (a jitted jax.vjp); only vjp_fn(dy) is timed. The
            residuals are whatever the implementation saves (autodiff baselines may
            save float32 intermediates and so read more than the minimum below).
+  step     fwd_bwd with an optimization barrier between y and dy: dy is known only once y
+           is, as in any training step (dy = dL/dy depends on y through the model). In
+           fwd_bwd, XLA may fuse the backward's row sums over dy into the forward's
+           pass over x (seen for the flax norms at >= 16384 columns: 5.6X where two
+           passes need 5X); no model can, so step is the baseline's cost in a model.
   fwd_res  y, vjp_fn = jax.vjp(op, x, *params), returning both: the forward of a training
            step, which writes the residuals the backward keeps (jax.nn.relu: a bool
            per element; ours: 1 bit). fwd + bwd understates the baselines' training
@@ -151,7 +156,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cols", type=_list(kind=int), default=None,
                    help="comma list; default 32..32768 on GPU, 32,128,512,1024,4096 on CPU")
     p.add_argument("--mode", type=_list(MODES), default=["fwd", "fwd_bwd"],
-                   help="fwd, fwd_bwd, bwd (default fwd,fwd_bwd)")
+                   help="fwd, fwd_bwd, bwd, fwd_res, step (default fwd,fwd_bwd)")
     p.add_argument("--repeats", type=int, default=5, help="measurements per point (default 5)")
     p.add_argument("--check", action="store_true",
                    help="compare every impl with xla on the first input set before timing")

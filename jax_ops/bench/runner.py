@@ -50,6 +50,12 @@ def per_set_fn(fn: Callable, mode: str, diff_params: bool = True) -> Callable:
             y, vjp_fn = _vjp(fn, x, params, diff_params)
             return (y, *vjp_fn(dy))
         return fwd_bwd
+    if mode == "step":  # fwd_bwd with dy known only once y is: a training step's order
+        def step(x, params, dy):
+            y, vjp_fn = _vjp(fn, x, params, diff_params)
+            y, dy = jax.lax.optimization_barrier((y, dy))
+            return (y, *vjp_fn(dy))
+        return step
     if mode == "bwd":
         return lambda vjp_fn, dy: vjp_fn(dy)
     if mode == "fwd_res":  # the forward of a training step: y and what the VJP keeps
@@ -62,7 +68,7 @@ def mode_args(fn: Callable, mode: str, sets: Sequence[tuple],
     """Arguments of per_set_fn for each set; for "bwd" this runs the forward (jax.vjp)."""
     if mode in ("fwd", "fwd_res"):
         return [(x, params) for x, params, _ in sets]
-    if mode == "fwd_bwd":
+    if mode in ("fwd_bwd", "step"):
         return [(x, params, dy) for x, params, dy in sets]
     make_vjp = jax.jit(lambda x, params: _vjp(fn, x, params, diff_params)[1])
     return [(make_vjp(x, params), dy) for x, params, dy in sets]

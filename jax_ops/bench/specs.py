@@ -11,7 +11,7 @@ from jax_ops.core.op import OPS as DECLARATIONS
 
 IMPLS = ("cuda", "pallas", "xla", "auto", "flax", "jnp")
 KERNEL_IMPLS = ("cuda", "pallas", "xla")  # what the automatic choice picks among
-MODES = ("fwd", "fwd_bwd", "bwd", "fwd_res")
+MODES = ("fwd", "fwd_bwd", "bwd", "fwd_res", "step")
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32, "f16": jnp.float16}
 
 
@@ -49,9 +49,9 @@ def min_bytes(op: str, mode: str, rows: int, cols: int, dtype) -> int:
     """The op's minimum DRAM traffic per call of `mode` (see jax_ops/bench/cli.py's
     docstring for the counts). dtype: "bf16"/"f32"/"f16", a dtype, or an item size in
     bytes. fwd_res (the training forward) counts the forward's floor: our forwards write
-    their residuals (mask, statistics) in any case."""
+    their residuals (mask, statistics) in any case; step counts fwd_bwd's."""
     itemsize = dtype if isinstance(dtype, int) else jnp.dtype(DTYPES.get(dtype, dtype)).itemsize
-    return spec(op).nbytes(rows, cols, itemsize)["fwd" if mode == "fwd_res" else mode]
+    return spec(op).nbytes(rows, cols, itemsize)[{"fwd_res": "fwd", "step": "fwd_bwd"}.get(mode, mode)]
 
 
 def num_params(op: str) -> int:

@@ -7,8 +7,10 @@ and bias inside the graph (One-fx's `fuse`):
     b' = (b - mean) * s + bias                       (b: the conv's bias, else 0)
     y  = conv(x, w') + b'
 
-computed in float32, w' cast to the conv's weight dtype: the BatchNorm pass over the
-activations disappears. Equal to the original up to rounding (the original rounds the
+computed in float32, w' cast to the conv's weight dtype, b' to the conv's output dtype
+where that is the result's (bf16 models): the BatchNorm pass over the activations
+disappears, and XLA fuses the bias (and a following relu, with or without a residual
+add) into cuDNN's convolution. Equal to the original up to rounding (the original rounds the
 conv's output before normalizing it; the fold rounds w * s to w's dtype). The
 replacement is not one of our ops, so policy="auto" replaces it on every device
 (`Pattern.decide`: always).
@@ -103,6 +105,12 @@ def fold_replacement(x, w, conv_bias, scale, bias, mean, var, *, epsilon, out_dt
     if bias is not None:
         b = b + bias.astype(jnp.float32)
     y = jax.lax.conv_general_dilated(x, w_folded, **p)
+    if y.dtype == out_dtype:
+        # conv + bias in the conv's own dtype: the form XLA hands to cuDNN as one fused
+        # convolution (bias, a side input and a following relu in its epilogue). With a
+        # float32 bias it keeps a separate elementwise pass (bf16 ResNet-50 shapes on the
+        # H100: benchmarks/conv_fusion_probe.py).
+        return y + b.astype(out_dtype)
     return (y.astype(jnp.float32) + b).astype(out_dtype)
 
 
