@@ -568,28 +568,49 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
 #pragma unroll
     for (int j = 0; j < PACK; ++j) sc[k * PACK + j] = col < a.cols ? s[j] : 0.f;
   }
-  int parity = 0;
-  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
-    const float mean = a.rms ? 0.f : a.mean[row];
-    const float rstd = a.rstd[row];
-    float xh[N], g[N], dyv[N], sum_g = 0.f, sum_gx = 0.f;
+  // A block per row loads the next row's x and dy before this row's block sums: they
+  // stay in flight through its barriers (LayerNorm bwd at 8192 columns: 1036 -> 957 us
+  // on the H100). In a cluster the barrier would wait for them (and the extra
+  // registers spill), so there the row is loaded when it starts.
+  Pack<T, PACK> xn[K], dn[K];
+  float mean_n = 0.f, rstd_n = 0.f;
+  // Every element is written (zeros past the row's end), so nothing of a row stays
+  // live into the next iteration when the row is loaded at its start.
+  const auto load_row = [&](int64_t row) {
+    mean_n = a.rms ? 0.f : a.mean[row];
+    rstd_n = a.rstd[row];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t col = (tid + int64_t(k) * span) * PACK;
-      float xv[PACK], dv[PACK];
       if (col < a.cols) {
-        load_pack<T, PACK>(x + row * a.cols + col, xv);
-        load_pack<T, PACK>(dy + row * a.cols + col, dv);
+        xn[k] = *reinterpret_cast<const Pack<T, PACK>*>(x + row * a.cols + col);
+        dn[k] = *reinterpret_cast<const Pack<T, PACK>*>(dy + row * a.cols + col);
       } else {
-#pragma unroll
-        for (int j = 0; j < PACK; ++j) { xv[j] = mean; dv[j] = 0.f; }
+        xn[k] = Pack<T, PACK>{};
+        dn[k] = Pack<T, PACK>{};
       }
+    }
+  };
+  if (!CLUSTER && sp.first_row < a.rows) load_row(sp.first_row);
+  int parity = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
+    if constexpr (CLUSTER) load_row(row);
+    const float mean = mean_n, rstd = rstd_n;
+    Pack<T, PACK> xc[K], dc[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) { xc[k] = xn[k]; dc[k] = dn[k]; }
+    if (!CLUSTER && row + sp.step < a.rows) load_row(row + sp.step);
+    float xh[N], g[N], dyv[N], sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const bool in = (tid + int64_t(k) * span) * PACK < a.cols;
 #pragma unroll
       for (int j = 0; j < PACK; ++j) {
         const int i = k * PACK + j;
-        dyv[i] = dv[j];
-        xh[i] = (xv[j] - mean) * rstd;
-        g[i] = dv[j] * sc[i];
+        const float xv = in ? to_float(xc[k].v[j]) : mean, dv = in ? to_float(dc[k].v[j]) : 0.f;
+        dyv[i] = dv;
+        xh[i] = (xv - mean) * rstd;
+        g[i] = dv * sc[i];
         sum_g += g[i];
         sum_gx += g[i] * xh[i];
       }

@@ -64,6 +64,28 @@ def test_step_mode_is_fwd_bwd_with_dy_after_y():
         bench.min_bytes("layer_norm", "fwd_bwd", 8, 40, "f32")
 
 
+def test_table_training_forward_from_step_and_no_stale_xla_entry(tmp_path):
+    """--table: the training forward is step - bwd where the run has step (fwd_bwd lets
+    XLA fuse across the stages); an xla training forward from an older run goes when
+    this run's fastest backward is not xla's (it was only real next to xla's backward);
+    other implementations' older times of an entry are kept."""
+    from jax_ops.bench.report import Record
+    from jax_ops.bench.tables import write_table
+    path = tmp_path / "t.json"
+    key = dict(op="rms_norm", stage="fwd_stats", dtype="bfloat16", rows=64, cols=4096)
+    path.write_text(json.dumps({"device_kind": "cpu", "entries": [
+        {**key, "us": {"xla": 50.0, "pallas": 70.0}}]}))
+    times = {("bwd", "cuda"): 100.0, ("bwd", "xla"): 130.0, ("fwd_bwd", "cuda"): 160.0,
+             ("step", "cuda"): 170.0, ("fwd_bwd", "xla"): 180.0, ("step", "xla"): 240.0}
+    recs = [Record("rms_norm", m, "bf16", 64, 4096, impl, "wall", 1, 1, time_us=t)
+            for (m, impl), t in times.items()]
+    meta = dict(device_kind="cpu", command="test", date="d", git_commit="c", jax_version="j", timer="wall")
+    write_table(path, meta, recs)
+    entries = json.loads(path.read_text())["entries"]
+    (stats,) = [e for e in entries if e["stage"] == "fwd_stats"]
+    assert stats["us"] == {"cuda": 70.0, "pallas": 70.0}
+
+
 def test_rel_err_is_a_relative_norm_not_a_max():
     """One element of many flipped at a ReLU kink must not read as a 100 % error."""
     ref = jnp.ones((1000,), jnp.float32)

@@ -52,19 +52,28 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
         shape = (op, dtype, rows, cols)
         if mode == "bwd" and us < timed.get((op, mode, dtype, rows, cols, fastest_bwd.get(shape)), math.inf):
             fastest_bwd[shape] = impl
+    # "step" (dy only after y, as in a model) is preferred to fwd_bwd where the run has it.
+    stale = set()  # xla training forwards that an older run measured beside a slower backward
     for (op, mode, dtype, rows, cols, impl), us in timed.items():
-        if "fwd_stats" not in all_specs[op].table_stages:
+        if "fwd_stats" not in all_specs[op].table_stages or mode not in ("fwd_bwd", "step"):
+            continue
+        if mode == "fwd_bwd" and (op, "step", dtype, rows, cols, impl) in timed:
             continue
         bwd = timed.get((op, "bwd", dtype, rows, cols, impl))
-        if mode != "fwd_bwd" or bwd is None or us <= bwd:
-            continue
-        if impl == "xla" and fastest_bwd[(op, dtype, rows, cols)] != "xla":
-            continue
         key = (op, "fwd_stats", jnp.dtype(DTYPES[dtype]).name, rows, cols)
+        if impl == "xla" and fastest_bwd.get((op, dtype, rows, cols)) not in (None, "xla"):
+            stale.add(key)
+            continue
+        if bwd is None or us <= bwd:
+            continue
         new.setdefault(key, {})[impl] = round(us - bwd, 3)
     entries = {(e["op"], e["stage"], e["dtype"], e["rows"], e["cols"]): e["us"]
                for e in table["entries"]}
-    entries.update(new)
+    for key in stale:
+        if "xla" in entries.get(key, {}):
+            entries[key] = {k: v for k, v in entries[key].items() if k != "xla"}
+    for key, us in new.items():  # per implementation: this run's times replace older ones
+        entries[key] = {**entries.get(key, {}), **us}
     dev = jax.devices()[0]  # what core/dispatch.table_match matches a GPU on
     if dev.device_kind == meta["device_kind"]:  # (not when merging a run's JSON elsewhere)
         cc = getattr(dev, "compute_capability", None)
