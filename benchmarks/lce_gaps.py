@@ -11,7 +11,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler
 
 import jax_ops

@@ -101,7 +101,7 @@ Summaries after the tables:
                      >= 1.5 for cuda/pallas/auto).
 
 --table writes per op the stages the dispatch reads: norms fwd, bwd and fwd_stats (the
-training forward, fwd_bwd - bwd); softmax and log_softmax fwd and bwd only (their
+training forward, step - bwd where the run has step, else fwd_bwd - bwd); softmax and log_softmax fwd and bwd only (their
 training forward is the inference forward); softmax_mask and softmax_causal nothing
 (they run the softmax kernels).
 
