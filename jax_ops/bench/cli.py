@@ -101,9 +101,9 @@ Summaries after the tables:
                      >= 1.5 for cuda/pallas/auto).
 
 --table writes per op the stages the dispatch reads: norms fwd, bwd and fwd_stats (the
-training forward, step - bwd where the run has step, else fwd_bwd - bwd); softmax and log_softmax fwd and bwd only (their
-training forward is the inference forward); softmax_mask and softmax_causal nothing
-(they run the softmax kernels).
+training forward, step - bwd where the run has step, else fwd_bwd - bwd); softmax and
+log_softmax fwd and bwd only (their training forward is the inference forward);
+softmax_mask and softmax_causal nothing (they run the softmax kernels).
 
 --plot DIR writes a PNG per (op, mode, dtype) into DIR (jax_ops/bench/plot.py): GB/s and
 % of copy against cols (log2 axis), a line per implementation, baseline and the copy

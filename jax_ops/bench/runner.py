@@ -45,17 +45,13 @@ def per_set_fn(fn: Callable, mode: str, diff_params: bool = True) -> Callable:
     """The function applied to one input set (see mode_args for its arguments)."""
     if mode == "fwd":
         return lambda x, params: fn(x, *params)
-    if mode == "fwd_bwd":
+    if mode in ("fwd_bwd", "step"):
         def fwd_bwd(x, params, dy):
             y, vjp_fn = _vjp(fn, x, params, diff_params)
+            if mode == "step":  # dy known only once y is: a training step's order
+                y, dy = jax.lax.optimization_barrier((y, dy))
             return (y, *vjp_fn(dy))
         return fwd_bwd
-    if mode == "step":  # fwd_bwd with dy known only once y is: a training step's order
-        def step(x, params, dy):
-            y, vjp_fn = _vjp(fn, x, params, diff_params)
-            y, dy = jax.lax.optimization_barrier((y, dy))
-            return (y, *vjp_fn(dy))
-        return step
     if mode == "bwd":
         return lambda vjp_fn, dy: vjp_fn(dy)
     if mode == "fwd_res":  # the forward of a training step: y and what the VJP keeps

@@ -12,10 +12,11 @@ static shapes, in this order:
    the same op/stage/dtype nearest in (log cols, log rows) gives each
    implementation's time; the fastest one that supports the call wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
-   statistics; timed as step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask" (masked or causal softmax) and
-   "bwd"; a stage without entries falls back to the plain stage's. An op this GPU's
-   table has no entries for (added after its run) uses the table of a GPU of the same
-   compute capability that has them (H200 <- H100; the reason names the file). A GPU
+   statistics; timed as step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
+   (masked or causal softmax) and "bwd"; a stage without entries falls back to the
+   plain stage's. An op this GPU's table has no entries for (added after its run) uses
+   the table of a GPU of the same compute capability that has them (H200 <- H100; the
+   reason names the file). A GPU
    without its own table uses one measured on a GPU with the same compute capability
    and SM count (core/dispatch.table_match; the reason says which and why).
 5. heuristics, for GPUs without a table and for other platforms:

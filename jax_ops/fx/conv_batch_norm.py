@@ -10,8 +10,8 @@ and bias inside the graph (One-fx's `fuse`):
 computed in float32, w' cast to the conv's weight dtype, b' to the conv's output dtype
 where that is the result's (bf16 models): the BatchNorm pass over the activations
 disappears, and XLA fuses the bias (and a following relu, with or without a residual
-add) into cuDNN's convolution. Equal to the original up to rounding (the original rounds the
-conv's output before normalizing it; the fold rounds w * s to w's dtype). The
+add) into cuDNN's convolution. Equal to the original up to rounding (the original
+rounds the conv's output before normalizing it; the fold rounds w * s to w's dtype). The
 replacement is not one of our ops, so policy="auto" replaces it on every device
 (`Pattern.decide`: always).
 """
