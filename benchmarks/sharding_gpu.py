@@ -1,10 +1,23 @@
-"""Issue 7 on several GPUs: every op family under jax.jit with its input sharded over all
-local GPUs, once along the batch (row) axis and once along the normalized/hidden axis.
-Per case: forward + gradients against one GPU (relative error), the collectives in the
-compiled HLO (kind and largest array, in elements) and the step time (value_and_grad
-under jit, wall-clock median of 20) against one GPU.
+"""Issues 7/21/23 on several GPUs: every op family under jax.jit with its input sharded over
+all local GPUs, once along the batch (row) axis and once along the normalized/hidden axis
+(the vocabulary for cross_entropy). Per case: forward + gradients against one GPU
+(relative error), the collectives in the compiled HLO (kind and largest array, in
+elements) and the time of value_and_grad under jit against one GPU:
 
-  python benchmarks/sharding_gpu.py [--out results.json] [--small]
+  * step: a training step's time, dispatched as a model trains: 10 steps queued, then one
+    block_until_ready; median over `--repeats` such runs of the time per step (>= 5x10);
+  * graph: 10 steps in one jitted program (each step's inputs chained to the previous
+    step's outputs by an optimization barrier, so XLA can neither merge nor overlap
+    them), one call, median over `--repeats`, per step: the devices' time for the step,
+    collectives included, without the host's per-call dispatch and the per-execution
+    rendezvous of a multi-device launch (which made `step` vary by up to 1.8x between
+    two runs of the same commit on 2 x H100);
+  * call: one call, dispatched and waited for (what issue 7's and the first issue-23 run
+    measured: host dispatch and the multi-device launch included in every call);
+  * kernels: CUPTI, the sum of the kernel times of one call over all devices, divided by
+    the devices (NCCL kernels included, so their waits count), and the NCCL share.
+
+  python benchmarks/sharding_gpu.py [--out results.json] [--small] [--only op,op]
 """
 from __future__ import annotations
 
@@ -12,6 +25,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import time
 
 import jax
@@ -38,22 +52,64 @@ def collectives(compiled_text: str) -> list[tuple[str, int]]:
     return out
 
 
+def _weighted(fn):
+    """loss(x, ct, *params) = Σ out·ct over fn's outputs (a tuple: each output)."""
+    def loss(x, ct, *p):
+        out = fn(x, *p)
+        outs = out if isinstance(out, tuple) else (out,)
+        return sum(jnp.sum(o.astype(jnp.float32) * ct.astype(jnp.float32)) for o in outs)
+    return loss
+
+
+def _jnp_layer_norm(x, scale, bias, eps=1e-5):
+    """flax.linen.LayerNorm's computation (float32 statistics, output in x's dtype)."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps) * scale + bias).astype(x.dtype)
+
+
 def cases(small: bool):
-    """(name, fn(x, *params), x shape, dtype, params, batch spec, hidden spec)."""
+    """(name, loss(x, ct, *params), x shape, dtype, params, batch spec, hidden spec,
+    param specs or None)."""
     b, s, h = (4, 64, 256) if small else (16, 2048, 4096)
     n, hw, c = (4, 8, 64) if small else (128, 56, 256)
     q = (4, 4, 64, 128) if small else (4, 16, 1024, 2048)
+    ce_rows, vocab = (256, 512) if small else (16384, 50304)
+    key = jax.random.key(1)
     ones = lambda k: jnp.ones((k,), jnp.float32)  # noqa: E731
+    resid = jax.random.normal(key, (b, s, h), jnp.float32).astype(jnp.bfloat16)
+    zres = jax.random.normal(key, (n, hw, hw, c), jnp.float32).astype(jnp.bfloat16)
+    labels = jax.random.randint(key, (ce_rows,), 0, vocab, jnp.int32)
+    bsh, nhwc = (P("d"), P(None, None, "d")), (P("d"), P(None, None, None, "d"))
     return [
-        ("layer_norm", lambda x, sc, bi: jax_ops.layer_norm(x, sc, bi), (b, s, h), jnp.bfloat16,
-         (ones(h), ones(h) * 0), P("d"), P(None, None, "d")),
-        ("rms_norm", lambda x, sc: jax_ops.rms_norm(x, sc), (b, s, h), jnp.bfloat16, (ones(h),),
-         P("d"), P(None, None, "d")),
-        ("softmax_causal", lambda x: jax_ops.softmax(x, causal=True, scale=0.125), q, jnp.bfloat16,
-         (), P("d"), P(None, None, None, "d")),
-        ("relu", jax_ops.relu, (b, s, h), jnp.bfloat16, (), P("d"), P(None, None, "d")),
-        ("batch_norm_relu", lambda x, sc, bi: jax_ops.batch_norm_relu(x, sc, bi)[0],
-         (n, hw, hw, c), jnp.bfloat16, (ones(c), ones(c) * 0), P("d"), P(None, None, None, "d")),
+        ("layer_norm", _weighted(lambda x, sc, bi: jax_ops.layer_norm(x, sc, bi)), (b, s, h),
+         (ones(h), ones(h) * 0), *bsh, None),
+        ("rms_norm", _weighted(lambda x, sc: jax_ops.rms_norm(x, sc)), (b, s, h), (ones(h),), *bsh, None),
+        ("add_layer_norm", _weighted(lambda x, r, sc, bi: jax_ops.add_layer_norm(x, r, sc, bi)),
+         (b, s, h), (resid, ones(h), ones(h) * 0), *bsh, "x"),
+        ("add_rms_norm", _weighted(lambda x, r, sc: jax_ops.add_rms_norm(x, r, sc)), (b, s, h),
+         (resid, ones(h)), *bsh, "x"),
+        ("softmax_causal", _weighted(lambda x: jax_ops.softmax(x, causal=True, scale=0.125)), q,
+         (), P("d"), P(None, None, None, "d"), None),
+        ("log_softmax", _weighted(lambda x: jax_ops.log_softmax(x)), q, (), P("d"),
+         P(None, None, None, "d"), None),
+        ("relu", _weighted(jax_ops.relu), (b, s, h), (), *bsh, None),
+        ("add_relu", _weighted(jax_ops.add_relu), (b, s, h), (resid,), *bsh, "x"),
+        ("batch_norm_relu", _weighted(lambda x, sc, bi: jax_ops.batch_norm_relu(x, sc, bi)[0]),
+         (n, hw, hw, c), (ones(c), ones(c) * 0), *nhwc, None),
+        ("batch_norm_add_relu",
+         _weighted(lambda x, z, sc, bi: jax_ops.batch_norm_add_relu(x, z, sc, bi)[0]),
+         (n, hw, hw, c), (zres, ones(c), ones(c) * 0), *nhwc, "x"),
+        # XLA alone, for scale: an elementwise op (the harness's own cost: the loss's
+        # reduction, its all-reduce, the step's launch) and flax-style jnp LayerNorm
+        # partitioned by XLA's SPMD partitioner.
+        ("xla_elementwise", _weighted(lambda x: x * 2), (b, s, h), (), *bsh, None),
+        ("xla_layer_norm", _weighted(_jnp_layer_norm), (b, s, h), (ones(h), ones(h) * 0), *bsh, None),
+        # The mean loss (the training use): ct unused; the labels follow the rows.
+        ("cross_entropy",
+         lambda x, ct, lab: jax_ops.cross_entropy(x, lab, reduction="mean"), (ce_rows, vocab),
+         (labels,), P("d"), P(None, "d"), "rows"),
     ]
 
 
@@ -62,50 +118,122 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def wall_ms(fn, *args, reps: int = 20) -> float:
-    return bench.measure(fn, *args, repeats=reps, timer="wall", jit=False) / 1e3
+def call_ms(fn, args, repeats: int) -> float:
+    """One call dispatched and waited for, median of `repeats`."""
+    return bench.measure(fn, *args, repeats=repeats, timer="wall", jit=False) / 1e3
+
+
+def step_ms(fn, args, repeats: int, steps: int = 10) -> float:
+    """Per step, `steps` calls queued and one wait (as a training loop runs), median of
+    `repeats`."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(steps)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / steps)
+        del outs
+    return statistics.median(times) * 1e3
+
+
+def graph_ms(fn, args, repeats: int, steps: int = 10) -> float:
+    """Per step, `steps` chained steps in one jitted program, median of `repeats`."""
+    def run(*a):  # every step's results are returned: none can be dropped as dead code
+        outs = []
+        for _ in range(steps):
+            if outs:
+                a, _ = jax.lax.optimization_barrier((a, outs[-1]))
+            outs.append(fn(*a))
+        return outs
+    return bench.measure(jax.jit(run), *args, repeats=repeats, timer="wall", jit=False) / 1e3 / steps
+
+
+def kernel_ms(fn, args, devices: int) -> tuple[float | None, float | None, list]:
+    """(CUPTI kernel time of one call summed over devices / devices, NCCL share of it,
+    [(kernel name, ms summed over devices)] largest first); Nones off GPUs."""
+    if jax.default_backend() != "gpu":
+        return None, None, []
+    from jax.experimental.mosaic.gpu import profiler
+    _, kernels = profiler.measure(lambda a: fn(*a), aggregate=False)(tuple(args))
+    if not kernels:
+        return None, None, []
+    total = sum(t for _, t in kernels)
+    nccl = sum(t for name, t in kernels if "nccl" in name.lower())
+    by_name: dict[str, float] = {}
+    for name, t in kernels:
+        by_name[name[:90]] = by_name.get(name[:90], 0.0) + t
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return total / devices, nccl / max(total, 1e-30), top
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--only", help="comma-separated case names")
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("d",), devices=devices)
+    nd = len(devices)
+    mesh = jax.make_mesh((nd,), ("d",), devices=devices)
     rows = []
-    print(f"# {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}, commit {bench.git_commit()}")
-    for name, fn, shape, dtype, params, batch_spec, hidden_spec in cases(args.small):
-        x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
-        ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(dtype)
-
-        def loss(x, ct, *p):
-            return jnp.sum(fn(x, *p).astype(jnp.float32) * ct.astype(jnp.float32))
-        vg = jax.jit(jax.value_and_grad(loss, argnums=(0, *range(2, 2 + len(params)))))
-        one = jax.devices()[0]
+    print(f"# {nd} x {devices[0].device_kind}, jax {jax.__version__}, commit {bench.git_commit()}")
+    print("# ms per value_and_grad: step (10 queued, median of "
+          f"{args.repeats}), graph (10 chained in one program), call (dispatched and waited "
+          "for), kernels (CUPTI sum / devices)")
+    only = set(args.only.split(",")) if args.only else None
+    for name, loss, shape, params, batch_spec, hidden_spec, pspec in cases(args.small):
+        if only and name not in only:
+            continue
+        x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+        ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(jnp.bfloat16)
+        grads = (0, *(2 + i for i, p in enumerate(params) if jnp.issubdtype(p.dtype, jnp.floating)))
+        vg = jax.jit(jax.value_and_grad(loss, argnums=grads))
+        one = devices[0]
         ref_args = [jax.device_put(a, one) for a in (x, ct, *params)]
         ref = vg(*ref_args)
-        t_one = wall_ms(vg, *ref_args)
+        t1_step, t1_call = step_ms(vg, ref_args, args.repeats), call_ms(vg, ref_args, args.repeats)
+        t1_graph = graph_ms(vg, ref_args, args.repeats)
+        k1, _, top1 = kernel_ms(vg, ref_args, 1)
         for what, spec in (("batch", batch_spec), ("hidden", hidden_spec)):
+            def param_spec(p):
+                if pspec == "x" and p.shape == shape:
+                    return spec
+                if pspec == "rows" and p.ndim == 1 and p.shape[0] == shape[0]:
+                    return P(*spec[:1])
+                return P()
             placed = [jax.device_put(x, NamedSharding(mesh, spec)),
                       jax.device_put(ct, NamedSharding(mesh, spec)),
-                      *[jax.device_put(p, NamedSharding(mesh, P())) for p in params]]
+                      *[jax.device_put(p, NamedSharding(mesh, param_spec(p))) for p in params]]
             got = vg(*placed)
             errs = [rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
             colls = collectives(vg.lower(*placed).compile().as_text())
             biggest = max((n for _, n in colls), default=0)
-            t = wall_ms(vg, *placed)
-            row = dict(op=name, shape=list(shape), dtype=jnp.dtype(dtype).name, sharded=what,
+            t_step, t_call = step_ms(vg, placed, args.repeats), call_ms(vg, placed, args.repeats)
+            t_graph = graph_ms(vg, placed, args.repeats)
+            k, nccl, top = kernel_ms(vg, placed, nd)
+            row = dict(op=name, shape=list(shape), dtype="bfloat16", sharded=what,
                        max_rel_err=max(errs), collectives=colls,
-                       largest_collective_elems=biggest, activation_elems=x.size // len(devices),
-                       ms_one_gpu=t_one, ms_sharded=t, speedup=t_one / t)
+                       largest_collective_elems=biggest, activation_elems=x.size // nd,
+                       ms_one_gpu=t1_step, ms_sharded=t_step, speedup=t1_step / t_step,
+                       call_ms_one_gpu=t1_call, call_ms_sharded=t_call,
+                       call_speedup=t1_call / t_call, graph_ms_one_gpu=t1_graph,
+                       graph_ms_sharded=t_graph, graph_speedup=t1_graph / t_graph,
+                       kernel_ms_one_gpu=k1,
+                       kernel_ms_per_device=k, nccl_share=nccl,
+                       kernel_speedup=(k1 / k) if k and k1 else None,
+                       kernels_one_gpu=top1, kernels_sharded=top)
             rows.append(row)
-            kinds = sorted({k for k, _ in colls})
-            print(f"{name:16s} {what:6s} err {max(errs):.1e}  collectives {kinds} largest "
-                  f"{biggest} elems (shard {x.size // len(devices)})  one GPU {t_one:8.3f} ms  "
-                  f"{len(devices)} GPUs {t:8.3f} ms  x{t_one / t:.2f}")
+            kinds = sorted({kd for kd, _ in colls})
+            kern = (f"kernels {k1:6.3f} -> {k:6.3f} x{k1 / k:.2f} (nccl {nccl:.0%})"
+                    if k and k1 else "kernels -")
+            print(f"{name:19s} {what:6s} err {max(errs):.1e} {kinds} largest {biggest} "
+                  f"(shard {x.size // nd}) | step {t1_step:6.3f} -> {t_step:6.3f} "
+                  f"x{t1_step / t_step:.2f} | graph {t1_graph:6.3f} -> {t_graph:6.3f} "
+                  f"x{t1_graph / t_graph:.2f} | call x{t1_call / t_call:.2f} | {kern}", flush=True)
     if args.out:
-        meta = dict(devices=len(devices), device_kind=devices[0].device_kind,
+        meta = dict(devices=nd, device_kind=devices[0].device_kind,
                     jax=jax.__version__, commit=bench.git_commit(),
                     date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
         with open(args.out, "w") as f:

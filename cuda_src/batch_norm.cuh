@@ -326,7 +326,7 @@ __device__ __forceinline__ DxChannel dx_channel(const BwdArgs& a, int64_t c) {
   const float rstd = a.rstd[c];
   return DxChannel{a.mean[c], rstd,
                    dx_coefficients(a.scale[c], rstd, a.dscale[c], a.dbias[c], a.training ? a.gmean[c] : 0.f,
-                                   a.training ? a.gvar[c] : 0.f, float(a.rows), a.training)};
+                                   a.training ? a.gvar[c] : 0.f, bwd_count(a), a.training)};
 }
 
 // dx = a·g + b·xhat + c, dz = g; warp tiles as in the forward (no shuffles here, the
@@ -440,30 +440,43 @@ cudaError_t launch_stats_partials(const FwdArgs& a, int64_t* parts, cudaStream_t
   return cudaGetLastError();
 }
 
+// Training statistics of a's rows: Welford partials, then the fixed-order combine into
+// mean, var, rstd (also the batch-sharded forward's per-device stage).
+template <typename T>
+cudaError_t launch_stats(const FwdArgs& a, cudaStream_t stream) {
+  if (a.cols == 0) return cudaSuccess;
+  dim3 block;
+  int blocks = 0;
+  finalize_geometry(a.cols, &block, &blocks);
+  // No rows (never sent by the Python layer): no partials, and 0/0 statistics.
+  int64_t parts = 0;
+  if (a.rows > 0) {
+    constexpr int VEC = 16 / sizeof(T);
+    const cudaError_t err = a.cols % VEC == 0 && aligned_to(a.x, 16) ? launch_stats_partials<T, VEC>(a, &parts, stream)
+                                                                     : launch_stats_partials<T, 1>(a, &parts, stream);
+    if (err != cudaSuccess) return err;
+  }
+  stats_finalize_kernel<<<blocks, block, 0, stream>>>(a.work, parts, a.work_parts, a.cols, a.eps, a.mean, a.var,
+                                                      a.rstd);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_fwd(const FwdArgs& a, cudaStream_t stream) {
   if (a.cols == 0) return cudaSuccess;
   cudaError_t err;
-  dim3 block;
-  int blocks = 0;
-  finalize_geometry(a.cols, &block, &blocks);
   if (a.training) {
-    // No rows (never sent by the Python layer): no partials, and 0/0 statistics.
-    int64_t parts = 0;
-    if (a.rows > 0) {
-      constexpr int VEC = 16 / sizeof(T);
-      err = a.cols % VEC == 0 && aligned_to(a.x, 16) ? launch_stats_partials<T, VEC>(a, &parts, stream)
-                                                      : launch_stats_partials<T, 1>(a, &parts, stream);
-      if (err != cudaSuccess) return err;
-    }
-    stats_finalize_kernel<<<blocks, block, 0, stream>>>(a.work, parts, a.work_parts, a.cols, a.eps, a.mean, a.var,
-                                                        a.rstd);
+    err = launch_stats<T>(a, stream);
   } else {
+    dim3 block;
+    int blocks = 0;
+    finalize_geometry(a.cols, &block, &blocks);
     const int64_t needed = (a.cols + kColThreads - 1) / kColThreads;
     running_stats_kernel<<<int(needed < blocks ? needed : blocks), kColThreads, 0, stream>>>(
         a.mean_in, a.var_in, a.cols, a.eps, a.mean, a.var, a.rstd);
+    err = cudaGetLastError();
   }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (err != cudaSuccess) return err;
   const int64_t n = a.rows * a.cols;
   if (n == 0) return cudaSuccess;
   auto make_op = [&](auto pack) {
@@ -496,8 +509,10 @@ cudaError_t launch_dx(const BwdArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// dbias = Σg, dscale = Σg·xhat over a's rows (also the batch-sharded backward's first
+// per-device stage).
 template <typename T>
-cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
+cudaError_t launch_grad_sums(const BwdArgs& a, cudaStream_t stream) {
   if (a.cols == 0) return cudaSuccess;
   cudaError_t err;
   if (a.rows == 0) {  // sums over no rows
@@ -514,10 +529,24 @@ cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
   int blocks = 0;
   finalize_geometry(a.cols, &block, &blocks);
   grad_finalize_kernel<<<blocks, block, 0, stream>>>(a.work, parts, a.work_parts, a.cols, a.dscale, a.dbias);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  return cudaGetLastError();
+}
+
+// dx (and dz) from the given dscale/dbias (the batch-sharded backward's second stage).
+template <typename T>
+cudaError_t launch_dx_any(const BwdArgs& a, cudaStream_t stream) {
+  if (a.cols == 0 || a.rows == 0) return cudaSuccess;
+  constexpr int VEC = 16 / sizeof(T);
   const bool vec = aligned_to(a.dy, 16) && aligned_to(a.x, 16) && aligned_to(a.dx, 16) && aligned_to(a.dz, 16);
   if (a.dz != nullptr) return vec ? launch_dx<T, VEC, true>(a, stream) : launch_dx<T, 1, true>(a, stream);
   return vec ? launch_dx<T, VEC, false>(a, stream) : launch_dx<T, 1, false>(a, stream);
+}
+
+template <typename T>
+cudaError_t launch_bwd(const BwdArgs& a, cudaStream_t stream) {
+  const cudaError_t err = launch_grad_sums<T>(a, stream);
+  if (err != cudaSuccess) return err;
+  return launch_dx_any<T>(a, stream);
 }
 
 }  // namespace jax_ops::bn

@@ -50,7 +50,12 @@ struct BwdArgs {
   float* work; int64_t work_parts;        // (2, work_parts, C): partial Σg, Σg·xhat
   int64_t rows, cols;
   bool training;
+  // N of the dx coefficients when it is not `rows`: the global row count of a device's
+  // rows when the batch is sharded (dscale/dbias are then the psum'ed sums); 0: rows.
+  float count = 0.f;
 };
+
+JO_HD float bwd_count(const BwdArgs& a) { return a.count > 0.f ? a.count : float(a.rows); }
 
 // Rounded products and sums: on the GPU nvcc would otherwise fuse a*b + c into one
 // FMA, and the mask bits (pre > 0) would then differ from the CPU handler's near 0.

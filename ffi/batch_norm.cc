@@ -6,6 +6,8 @@
 //       attrs epsilon, training, has_z; work (3, P, C) f32 when training, else (0,)
 //   bwd (dy, x, mask, mean, rstd, scale, gmean, gvar) -> (dx, dz, dscale, dbias, work)
 //       attrs training, has_z; work (2, P, C) f32
+// and the batch-sharded training stages ("jax_ops_bn_stats", "jax_ops_bn_grad_sums",
+// "jax_ops_bn_dx"; see their section below).
 // work holds per-block partials (P: the most row blocks the kernels may use).
 #include <string>
 #include <vector>
@@ -211,13 +213,12 @@ void fwd_cpu(const FwdArgs& a) {
   }
 }
 
+// dbias = Σg, dscale = Σg·xhat: partials per row chunk, then fixed-order sums.
 template <typename T>
-void bwd_cpu(const BwdArgs& a) {
+void grad_sums_cpu(const BwdArgs& a) {
   const int64_t C = a.cols, plane = a.work_parts * C;
-  if (C == 0) return;
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
-  // Partial Σg and Σg·xhat per row chunk, then fixed-order sums.
   const Chunks ch = cpu_chunks(a.rows, a.work_parts);
   for (int64_t p = 0; p < ch.parts; ++p) {
     float* sum_g = a.work + p * C;
@@ -232,7 +233,6 @@ void bwd_cpu(const BwdArgs& a) {
         sum_gx[c] += g * bn_xhat(to_float(x[i]), a.mean[c], a.rstd[c]);
       }
   }
-  std::vector<DxCoef> coef(C);
   for (int64_t c = 0; c < C; ++c) {
     float db = 0.f, ds = 0.f;
     for (int64_t p = 0; p < ch.parts; ++p) {
@@ -241,9 +241,19 @@ void bwd_cpu(const BwdArgs& a) {
     }
     a.dbias[c] = db;
     a.dscale[c] = ds;
-    coef[c] = dx_coefficients(a.scale[c], a.rstd[c], ds, db, a.training ? a.gmean[c] : 0.f,
-                              a.training ? a.gvar[c] : 0.f, float(a.rows), a.training);
   }
+}
+
+// dx (and dz) from a's dscale/dbias.
+template <typename T>
+void dx_cpu(const BwdArgs& a) {
+  const int64_t C = a.cols;
+  std::vector<DxCoef> coef(C);
+  for (int64_t c = 0; c < C; ++c)
+    coef[c] = dx_coefficients(a.scale[c], a.rstd[c], a.dscale[c], a.dbias[c], a.training ? a.gmean[c] : 0.f,
+                              a.training ? a.gvar[c] : 0.f, bwd_count(a), a.training);
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* x = static_cast<const T*>(a.x);
   T* dx = static_cast<T*>(a.dx);
   T* dz = static_cast<T*>(a.dz);
   const int64_t n = a.rows * C;
@@ -254,6 +264,112 @@ void bwd_cpu(const BwdArgs& a) {
     if (dz) dz[i] = g;
     c = c + 1 == C ? 0 : c + 1;
   }
+}
+
+template <typename T>
+void bwd_cpu(const BwdArgs& a) {
+  if (a.cols == 0) return;
+  grad_sums_cpu<T>(a);
+  dx_cpu<T>(a);
+}
+
+// ------------------------------------------- batch-sharded training stages ---
+// Per device, the rows sharded (ops/batch_norm.py's locals): the statistics of the
+// local rows (combined across devices by an all_gather and Chan's merge), then the
+// forward's inference pass with the global ones; backward, the local Σg and Σg·xhat
+// (psum'ed), then dx with the global sums and the global row count.
+//   stats     (x) -> (mean, var, rstd, work)                  attr epsilon; work (3, P, C)
+//   grad_sums (dy, x, mask, mean, rstd) -> (dscale, dbias, work)          work (2, P, C)
+//   dx        (dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias) -> (dx, dz)
+//             attrs has_z, count (the global row count N)
+
+ffi::ErrorOr<FwdArgs> stats_args(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::AnyBuffer var, ffi::AnyBuffer rstd,
+                                 ffi::AnyBuffer work, float epsilon) {
+  auto layout = channels_last(x);
+  if (layout.has_error()) return layout.error();
+  const Layout l = layout.value();
+  JO_TRY(expect_f32_vector(mean, "mean", l.cols));
+  JO_TRY(expect_f32_vector(var, "var", l.cols));
+  JO_TRY(expect_f32_vector(rstd, "rstd", l.cols));
+  auto parts = work_parts(work, 3, l);
+  if (parts.has_error()) return parts.error();
+  if (!(epsilon >= 0.f)) return ffi::Error::InvalidArgument("epsilon must be >= 0; got " + std::to_string(epsilon));
+  if (l.rows == 0) return ffi::Error::InvalidArgument("batch statistics need at least one row; x has none");
+  FwdArgs a{};
+  a.x = x.untyped_data();
+  a.mean = static_cast<float*>(mean.untyped_data());
+  a.var = static_cast<float*>(var.untyped_data());
+  a.rstd = static_cast<float*>(rstd.untyped_data());
+  a.work = static_cast<float*>(work.untyped_data());
+  a.work_parts = parts.value();
+  a.rows = l.rows;
+  a.cols = l.cols;
+  a.eps = epsilon;
+  a.training = true;
+  return a;
+}
+
+// The backward's common operands; dscale/dbias are results (grad_sums) or operands (dx).
+ffi::ErrorOr<BwdArgs> stage_bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                                     ffi::AnyBuffer rstd, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias) {
+  auto layout = channels_last(x);
+  if (layout.has_error()) return layout.error();
+  const Layout l = layout.value();
+  JO_TRY(expect_like(dy, "dy", x, "x"));
+  JO_TRY(expect_mask(mask, "mask", l.rows * l.cols));
+  JO_TRY(expect_f32_vector(mean, "mean", l.cols));
+  JO_TRY(expect_f32_vector(rstd, "rstd", l.cols));
+  JO_TRY(expect_f32_vector(dscale, "dscale", l.cols));
+  JO_TRY(expect_f32_vector(dbias, "dbias", l.cols));
+  BwdArgs a{};
+  a.dy = dy.untyped_data();
+  a.x = x.untyped_data();
+  a.mask = static_cast<const uint32_t*>(mask.untyped_data());
+  a.mean = static_cast<const float*>(mean.untyped_data());
+  a.rstd = static_cast<const float*>(rstd.untyped_data());
+  a.dscale = static_cast<float*>(dscale.untyped_data());
+  a.dbias = static_cast<float*>(dbias.untyped_data());
+  a.rows = l.rows;
+  a.cols = l.cols;
+  return a;
+}
+
+ffi::ErrorOr<BwdArgs> grad_sums_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                                     ffi::AnyBuffer rstd, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
+                                     ffi::AnyBuffer work) {
+  auto args = stage_bwd_args(dy, x, mask, mean, rstd, dscale, dbias);
+  if (args.has_error()) return args.error();
+  BwdArgs a = args.value();
+  auto parts = work_parts(work, 2, Layout{a.rows, a.cols});
+  if (parts.has_error()) return parts.error();
+  a.work = static_cast<float*>(work.untyped_data());
+  a.work_parts = parts.value();
+  return a;
+}
+
+ffi::ErrorOr<BwdArgs> dx_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                              ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer gmean, ffi::AnyBuffer gvar,
+                              ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, ffi::AnyBuffer dx, ffi::AnyBuffer dz,
+                              bool has_z, float count) {
+  auto args = stage_bwd_args(dy, x, mask, mean, rstd, dscale, dbias);
+  if (args.has_error()) return args.error();
+  BwdArgs a = args.value();
+  JO_TRY(expect_f32_vector(scale, "scale", a.cols));
+  JO_TRY(expect_f32_vector(gmean, "gmean", a.cols));
+  JO_TRY(expect_f32_vector(gvar, "gvar", a.cols));
+  JO_TRY(expect_like(dx, "dx", x, "x"));
+  JO_TRY(has_z ? expect_like(dz, "dz", x, "x") : expect_empty(dz, "dz", "when has_z is false"));
+  if (!(count >= float(a.rows)) || !(count > 0.f))
+    return ffi::Error::InvalidArgument("count (the global row count) must be >= the local rows (" +
+                                       std::to_string(a.rows) + ") and > 0; got " + std::to_string(count));
+  a.scale = static_cast<const float*>(scale.untyped_data());
+  a.gmean = static_cast<const float*>(gmean.untyped_data());
+  a.gvar = static_cast<const float*>(gvar.untyped_data());
+  a.dx = dx.untyped_data();
+  a.dz = has_z ? dz.untyped_data() : nullptr;
+  a.training = true;
+  a.count = count;
+  return a;
 }
 
 ffi::Error BnReluFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer z, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
@@ -280,6 +396,39 @@ ffi::Error BnReluBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask
   if (args.has_error()) return args.error();
   return dispatch_activation(x.element_type(), "x", [&](auto t) {
     bwd_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error BnStatsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> mean, ffi::Result<ffi::AnyBuffer> var,
+                      ffi::Result<ffi::AnyBuffer> rstd, ffi::Result<ffi::AnyBuffer> work, float epsilon) {
+  auto args = stats_args(x, *mean, *var, *rstd, *work, epsilon);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(x.element_type(), "x", [&](auto t) {
+    if (args.value().cols > 0) batch_stats_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error BnGradSumsCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                         ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dscale, ffi::Result<ffi::AnyBuffer> dbias,
+                         ffi::Result<ffi::AnyBuffer> work) {
+  auto args = grad_sums_args(dy, x, mask, mean, rstd, *dscale, *dbias, *work);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(x.element_type(), "x", [&](auto t) {
+    grad_sums_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error BnDxCpu(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                   ffi::AnyBuffer scale, ffi::AnyBuffer gmean, ffi::AnyBuffer gvar, ffi::AnyBuffer dscale,
+                   ffi::AnyBuffer dbias, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dz, bool has_z,
+                   float count) {
+  auto args = dx_args(dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias, *dx, *dz, has_z, count);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(x.element_type(), "x", [&](auto t) {
+    dx_cpu<decltype(t)>(args.value());
     return ffi::Error::Success();
   });
 }
@@ -313,6 +462,37 @@ ffi::Error BnReluBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer 
     return cuda_status(launch_bwd<decltype(t)>(args.value(), stream), "jax_ops_bn_relu_bwd");
   });
 }
+
+ffi::Error BnStatsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> mean,
+                       ffi::Result<ffi::AnyBuffer> var, ffi::Result<ffi::AnyBuffer> rstd,
+                       ffi::Result<ffi::AnyBuffer> work, float epsilon) {
+  auto args = stats_args(x, *mean, *var, *rstd, *work, epsilon);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(x.element_type(), "x", [&](auto t) {
+    return cuda_status(launch_stats<decltype(t)>(args.value(), stream), "jax_ops_bn_stats");
+  });
+}
+
+ffi::Error BnGradSumsCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask,
+                          ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dscale,
+                          ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> work) {
+  auto args = grad_sums_args(dy, x, mask, mean, rstd, *dscale, *dbias, *work);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(x.element_type(), "x", [&](auto t) {
+    return cuda_status(launch_grad_sums<decltype(t)>(args.value(), stream), "jax_ops_bn_grad_sums");
+  });
+}
+
+ffi::Error BnDxCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask,
+                    ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer gmean,
+                    ffi::AnyBuffer gvar, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, ffi::Result<ffi::AnyBuffer> dx,
+                    ffi::Result<ffi::AnyBuffer> dz, bool has_z, float count) {
+  auto args = dx_args(dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias, *dx, *dz, has_z, count);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(x.element_type(), "x", [&](auto t) {
+    return cuda_status(launch_dx_any<decltype(t)>(args.value(), stream), "jax_ops_bn_dx");
+  });
+}
 #endif
 
 }  // namespace
@@ -340,4 +520,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnReluFwdCuda, jax_ops::bn::BnReluFwdCuda,
                               JO_BN_RELU_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnReluBwdCuda, jax_ops::bn::BnReluBwdCuda,
                               JO_BN_RELU_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+#endif
+
+#define JO_BN_STATS_SIGNATURE(bind)                                                                             \
+  bind.Arg<ffi::AnyBuffer>()                                                                                    \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                  \
+      .Attr<float>("epsilon")
+#define JO_BN_GRAD_SUMS_SIGNATURE(bind)                                                                         \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>()                                                                                    \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+#define JO_BN_DX_SIGNATURE(bind)                                                                                \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()                                                              \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                                                              \
+      .Attr<bool>("has_z").Attr<float>("count")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnStatsCpu, jax_ops::bn::BnStatsCpu, JO_BN_STATS_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnGradSumsCpu, jax_ops::bn::BnGradSumsCpu,
+                              JO_BN_GRAD_SUMS_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnDxCpu, jax_ops::bn::BnDxCpu, JO_BN_DX_SIGNATURE(ffi::Ffi::Bind()));
+#ifdef JAX_OPS_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnStatsCuda, jax_ops::bn::BnStatsCuda,
+                              JO_BN_STATS_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnGradSumsCuda, jax_ops::bn::BnGradSumsCuda,
+                              JO_BN_GRAD_SUMS_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              JO_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsBnDxCuda, jax_ops::bn::BnDxCuda,
+                              JO_BN_DX_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 #endif

@@ -26,6 +26,10 @@ NB_MODULE(_ffi, m) {
     cpu["jax_ops_relu_bwd"] = capsule(JaxOpsReluBwdCpu);
     cpu["jax_ops_bn_relu_fwd"] = capsule(JaxOpsBnReluFwdCpu);
     cpu["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCpu);
+    // batch-sharded BatchNorm training stages (issue 23)
+    cpu["jax_ops_bn_stats"] = capsule(JaxOpsBnStatsCpu);
+    cpu["jax_ops_bn_grad_sums"] = capsule(JaxOpsBnGradSumsCpu);
+    cpu["jax_ops_bn_dx"] = capsule(JaxOpsBnDxCpu);
     cpu["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCpu);
     cpu["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCpu);
     // hidden-sharded stages of the norms and softmax (issue 23)
@@ -47,6 +51,9 @@ NB_MODULE(_ffi, m) {
     cuda["jax_ops_relu_bwd"] = capsule(JaxOpsReluBwdCuda);
     cuda["jax_ops_bn_relu_fwd"] = capsule(JaxOpsBnReluFwdCuda);
     cuda["jax_ops_bn_relu_bwd"] = capsule(JaxOpsBnReluBwdCuda);
+    cuda["jax_ops_bn_stats"] = capsule(JaxOpsBnStatsCuda);
+    cuda["jax_ops_bn_grad_sums"] = capsule(JaxOpsBnGradSumsCuda);
+    cuda["jax_ops_bn_dx"] = capsule(JaxOpsBnDxCuda);
     cuda["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCuda);
     cuda["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCuda);
     cuda["jax_ops_norm_partials"] = capsule(JaxOpsNormPartCuda);

@@ -22,7 +22,7 @@ from jax.test_util import check_grads
 
 import jax_ops
 import support
-from jax_ops.ops.batch_norm import BWD, FWD
+from jax_ops.ops.batch_norm import BWD, DX, FWD, GRAD_SUMS, STATS
 
 IMPLS = ("xla", "cuda", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -440,3 +440,82 @@ def test_rows_sharded_training_keeps_the_implementation(impl):
     text = jax.jit(lambda x: jax_ops.batch_norm_relu(x, implementation=impl)).lower(x).compile().as_text()
     assert ('custom_call_target="jax_ops_bn_relu_fwd"' in text) == (impl == "cuda")
     assert "all-gather" in text  # the global statistics: every device's (mean, M2) per channel
+    # the per-device stages: the local statistics forward; Σg/Σg·x̂, psum, dx backward
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(jax_ops.batch_norm_relu(x, implementation=impl)[0]))))
+    text = grad.lower(x).compile().as_text()
+    for target in ("jax_ops_bn_stats", "jax_ops_bn_grad_sums", "jax_ops_bn_dx"):
+        assert (f'custom_call_target="{target}"' in text) == (impl == "cuda"), target
+    assert 'custom_call_target="jax_ops_bn_relu_bwd"' not in text
+
+
+# ------------------------------------------- batch-sharded training stages ---
+
+def _stage_inputs(rng, shape, dtype):
+    """x, dy, the forward's mask (inference pass with mean/var of x), mean, rstd, scale."""
+    x = make(rng, shape, dtype, offset=0.3)
+    dy = make(rng, shape, dtype)
+    c = shape[-1]
+    xf = f64(x).reshape(-1, c)
+    mean = jnp.asarray(xf.mean(0), jnp.float32)
+    var = jnp.asarray(xf.var(0), jnp.float32)
+    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(c), jnp.float32)
+    _, mask, _, _, rstd = FWD.call(x, None, scale, jnp.zeros(c, jnp.float32), mean, var, epsilon=EPS,
+                                   training=False, implementation="xla")
+    return x, dy, mask, mean, rstd, scale
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_stages_against_float64(shape, dtype, impl):
+    """The stages of the batch-sharded training path (STATS, GRAD_SUMS, DX) against
+    float64, each called alone on one device's rows; DX with sums and a row count N
+    larger than the local rows (as the global ones are), and the statistics' cotangents."""
+    need(impl)
+    rng = np.random.default_rng(seed_of(f"stages{shape}{dtype}{impl}"))
+    x, dy, mask, mean, rstd, scale = _stage_inputs(rng, shape, dtype)
+    c = shape[-1]
+    xf = f64(x).reshape(-1, c)
+    m, v, r = STATS.call(x, epsilon=EPS, implementation=impl)
+    assert_close("mean", m, xf.mean(0), TOL["float32"] * 4)
+    assert_close("var", v, xf.var(0), TOL["float32"] * 4)
+    assert_close("rstd", r, 1 / np.sqrt(xf.var(0) + EPS), TOL["float32"] * 4)
+
+    bits = f64(jax_ops.core.bitmask.unpack_bits(mask, x.shape)).reshape(-1, c)
+    g = bits * f64(dy).reshape(-1, c)
+    xhat = (xf - f64(mean)) * f64(rstd)
+    ds, db = GRAD_SUMS.call(dy, x, mask, mean, rstd, implementation=impl)
+    assert_close("dscale sum", ds, (g * xhat).sum(0), GRAD_TOL[dtype])
+    assert_close("dbias sum", db, g.sum(0), GRAD_TOL[dtype])
+
+    n = 3 * xf.shape[0] + 1  # the global rows
+    gds, gdb = 2.5 * f64(ds), -0.5 + f64(db)
+    gmean, gvar = (jnp.asarray(0.1 * rng.standard_normal(c), jnp.float32) for _ in range(2))
+    for has_z in (False, True):
+        dx, dz = DX.call(dy, x, mask, mean, rstd, scale, gmean, gvar, jnp.asarray(gds, jnp.float32),
+                         jnp.asarray(gdb, jnp.float32), has_z=has_z, count=float(n), implementation=impl)
+        a = f64(scale) * f64(rstd)
+        want = (a * g + ((2 * f64(gvar) / f64(rstd) - a * gds) / n) * xhat + (f64(gmean) - a * gdb) / n)
+        assert_close("dx", f64(dx).reshape(-1, c), want, GRAD_TOL[dtype])
+        if has_z:
+            assert_close("dz", f64(dz).reshape(-1, c), g, TOL[dtype])
+        else:
+            assert dz is None
+
+
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_stage_errors(impl):
+    need(impl)
+    x = jnp.ones((4, 8), jnp.float32)
+    mask = jnp.zeros((1,), jnp.uint32)
+    c = jnp.ones((8,), jnp.float32)
+    with pytest.raises(ValueError, match="at least one row"):
+        STATS.call(jnp.ones((0, 8)), epsilon=EPS, implementation=impl)
+    with pytest.raises(ValueError, match="dy must match x"):
+        GRAD_SUMS.call(x.astype(jnp.bfloat16), x, mask, c, c, implementation=impl)
+    with pytest.raises(ValueError, match=r"rstd must be float32 of shape \(8,\)"):
+        GRAD_SUMS.call(x, x, mask, c, c[:4], implementation=impl)
+    with pytest.raises(ValueError, match="mask must be uint32"):
+        GRAD_SUMS.call(x, x, jnp.zeros((2,), jnp.uint32), c, c, implementation=impl)
+    with pytest.raises(ValueError, match="count"):
+        DX.call(x, x, mask, c, c, c, c, c, c, c, has_z=False, count=3.0, implementation=impl)

@@ -307,6 +307,17 @@ def local_implementation(stage: Stage, mesh, *operands, **params) -> str:
     return dispatch.choose(q, implementation).implementation
 
 
+def local_uses_kernels(mesh, *calls) -> bool:
+    """Whether a `local` runs our per-device stage kernels rather than jnp: any of
+    `calls`, (stage, operands, params) as for local_implementation, resolving to other
+    than "xla". A local asks about its one-device stage (the implementation the user
+    named) and its first per-device stage (on a GPU the automatic choice takes its
+    kernels even where one device's table prefers XLA's fusion for the one-device
+    stage: the jnp path on shards needs more collectives in sequence)."""
+    return any(local_implementation(stage, mesh, *operands, **params) != "xla"
+               for stage, operands, params in calls)
+
+
 def query(prim: Primitive, avals, params: dict, platform: str) -> registry.Query:
     """The dispatch query of one call of `prim` (operand 0 has x's shape and dtype)."""
     stage = PRIMITIVES[prim]

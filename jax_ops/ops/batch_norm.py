@@ -40,8 +40,8 @@ from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.validate import check_broadcastable, check_epsilon, check_vectors, check_x
 from jax_ops.core.bitmask import MASK_DTYPE, mask_shape, pack_bits, sharding_policy, unpack_bits
-from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
-                             pallas_supports)
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_uses_kernels,
+                             match_vma, pallas_supports)
 from jax_ops.core.sharding import merge_moments
 from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, flax_available,
                                   flax_linen_normalize, out_dtypes, sds, wider_x)
@@ -137,11 +137,11 @@ def _fwd_reference(x, z, scale, bias, mean_in, var_in, *, epsilon, training):
 # ---------------------------------------------------------------- sharding ---
 # Channels sharded: statistics are per channel, each device runs the kernels on its
 # channels. Rows sharded (data parallelism) in training: the statistics are those of
-# the global batch (jit semantics): each device's per-channel mean and M2 (two-pass over
-# its rows), one all_gather over the row axes (O(C × devices) data) merged exactly in
-# device order (core/sharding.merge_moments), then the kernel's inference pass
-# normalizes the local rows with them; the backward psums Σg and Σg·x̂ per channel and
-# forms dx with jnp. At inference each device normalizes its rows; dscale/dbias are
+# the global batch (jit semantics): each device's per-channel mean and M2 (the STATS
+# stage's kernels over its rows; jnp two-pass with xla), one all_gather over the row
+# axes (O(C × devices) data) merged exactly in device order (core/sharding.merge_moments),
+# then the kernel's inference pass normalizes the local rows with them; the backward
+# psums the local Σg and Σg·x̂ per channel (GRAD_SUMS) and DX forms dx with them. At inference each device normalizes its rows; dscale/dbias are
 # psum'ed.
 
 def _rows_sharded_training(layout, params):
@@ -155,9 +155,16 @@ def _global_rows(layout):
 def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, training,
                implementation):
     n_local = _rows_channels(x.shape)[0]
-    xf = x.astype(jnp.float32)  # this device's rows: exact two-pass
-    mean_local = jnp.mean(xf, axis=_row_axes(x))
-    m2_local = jnp.sum(jnp.square(xf - mean_local), axis=_row_axes(x))
+    if not local_uses_kernels(
+            mesh, (FWD, (x, z, scale, bias, mean_in, var_in),
+                   dict(epsilon=epsilon, training=training, implementation=implementation)),
+            (STATS, (x,), dict(epsilon=epsilon, implementation=implementation))):
+        xf = x.astype(jnp.float32)  # this device's rows: exact two-pass
+        mean_local = jnp.mean(xf, axis=_row_axes(x))
+        m2_local = jnp.sum(jnp.square(xf - mean_local), axis=_row_axes(x))
+    else:  # the kernels' Welford partials of this device's rows
+        mean_local, var_local, _ = STATS.call(x, epsilon=epsilon, implementation=implementation)
+        m2_local = var_local * n_local
     # One all_gather of every device's (mean, M2) per channel, merged in device order
     # (Chan: exact): one collective on the critical path, where Σx then Σ(x − mean)²
     # psum'ed were two in sequence.
@@ -168,10 +175,128 @@ def _fwd_local(layout, mesh, x, z, scale, bias, mean_in, var_in, *, epsilon, tra
     return y, mask, mean, var, rstd
 
 
-def _bwd_local(layout, mesh, *args, implementation, **params):
+def _bwd_local(layout, mesh, dy, x, mask, mean, rstd, scale, gmean, gvar, *, implementation,
+               training, has_z):
+    """The rows sharded, training: with kernels GRAD_SUMS writes this device's Σg and
+    Σg·x̂ per channel, one psum makes them global, DX writes dx (and dz) with them and
+    the global row count; else jnp with the same psum."""
     def col_sums(arrays):
         return jax.lax.psum(tuple(jnp.sum(a, axis=_row_axes(a)) for a in arrays), layout.row_axes)
-    return _bwd_reference(*args, col_sums=col_sums, total_rows=_global_rows(layout), **params)
+    if not local_uses_kernels(
+            mesh, (BWD, (dy, x, mask, mean, rstd, scale, gmean, gvar),
+                   dict(training=training, has_z=has_z, implementation=implementation)),
+            (GRAD_SUMS, (dy, x, mask, mean, rstd), dict(implementation=implementation))):
+        return _bwd_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, training=training,
+                              has_z=has_z, col_sums=col_sums, total_rows=_global_rows(layout))
+    dscale, dbias = GRAD_SUMS.call(dy, x, mask, mean, rstd, implementation=implementation)
+    dscale, dbias = jax.lax.psum((dscale, dbias), layout.row_axes)
+    gmean, gvar = _statistics_cotangents(mean, gmean, gvar, True)
+    dx, dz = DX.call(dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias, has_z=has_z,
+                     count=float(_global_rows(layout)), implementation=implementation)
+    return dx, dz, dscale, dbias
+
+
+# ------------------------------------- batch-sharded training stages (issue 23) ---
+# Per-device stages of `_fwd_local`/`_bwd_local` (rows split over devices, training;
+# bound only there, on the local shards). Kernels: "cuda" (CUDA; the host handlers on
+# CPU); "xla" runs the references.
+#   jax_ops_bn_stats(x) -> (mean, var, rstd)            the local rows' batch statistics
+#   jax_ops_bn_grad_sums(dy, x, mask, mean, rstd) -> (dscale, dbias)   local Σg·x̂, Σg
+#   jax_ops_bn_dx(dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias) -> (dx, dz?)
+#       params has_z, count (the global row count N; dscale/dbias the global sums)
+
+def _chan(x):
+    return core.ShapedArray((x.shape[-1],), _F32)
+
+
+def _stats_abstract(x, *, epsilon):
+    check_x("bn stats", x, min_rank=1, rank_rule="a channels axis (channels last)")
+    if _rows_channels(x.shape)[0] == 0:
+        raise ValueError(f"jax_ops bn stats: batch statistics need at least one row; x has shape "
+                         f"{tuple(x.shape)}")
+    return _chan(x), _chan(x), _chan(x)
+
+
+def _stats_reference(x, *, epsilon):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=_row_axes(x))
+    var = jnp.mean(jnp.square(xf - mean), axis=_row_axes(x))
+    return mean, var, jax.lax.rsqrt(var + epsilon)
+
+
+def _stage_bwd_check(stage, dy, x, mask, **chans):
+    check_x(stage, x, min_rank=1, rank_rule="a channels axis (channels last)")
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"jax_ops {stage}: dy must match x; got dy {dy.shape} {_fmt_dtype(dy.dtype)} "
+                         f"and x {x.shape} {_fmt_dtype(x.dtype)}")
+    if tuple(mask.shape) != mask_shape(x.shape) or mask.dtype != MASK_DTYPE:
+        raise ValueError(f"jax_ops {stage}: mask must be uint32 of shape {mask_shape(x.shape)}; got "
+                         f"{mask.shape} {_fmt_dtype(mask.dtype)}")
+    for name, a in chans.items():
+        if tuple(a.shape) != (x.shape[-1],) or a.dtype != _F32:
+            raise ValueError(f"jax_ops {stage}: {name} must be float32 of shape ({x.shape[-1]},) "
+                             f"(x's last axis); got {tuple(a.shape)} {_fmt_dtype(a.dtype)}")
+
+
+def _grad_sums_abstract(dy, x, mask, mean, rstd):
+    _stage_bwd_check("bn grad sums", dy, x, mask, mean=mean, rstd=rstd)
+    return _chan(x), _chan(x)
+
+
+def _grad_sums_reference(dy, x, mask, mean, rstd):
+    g = jnp.where(unpack_bits(mask, x.shape), dy.astype(jnp.float32), 0.0)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    return jnp.sum(g * xhat, axis=_row_axes(x)), jnp.sum(g, axis=_row_axes(x))
+
+
+def _dx_abstract(dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias, *, has_z, count):
+    _stage_bwd_check("bn dx", dy, x, mask, mean=mean, rstd=rstd, scale=scale, gmean=gmean,
+                     gvar=gvar, dscale=dscale, dbias=dbias)
+    rows = _rows_channels(x.shape)[0]
+    if isinstance(rows, int) and not count >= max(rows, 1):
+        raise ValueError(f"jax_ops bn dx: count (the global row count) must be >= the local rows "
+                         f"({rows}) and > 0; got {count}")
+    out = core.ShapedArray(x.shape, x.dtype)
+    return out, (out if has_z else None)
+
+
+def _dx_reference(dy, x, mask, mean, rstd, scale, gmean, gvar, dscale, dbias, *, has_z, count):
+    g = jnp.where(unpack_bits(mask, x.shape), dy.astype(jnp.float32), 0.0)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    a = scale * rstd
+    dx = a * g + ((2.0 * gvar / rstd - a * dscale) / count) * xhat + (gmean - a * dbias) / count
+    return dx.astype(x.dtype), (g.astype(x.dtype) if has_z else None)
+
+
+STATS = Stage("bn_stats", "partials", ("x",), ("mean", "var", "rstd"),
+              op_of=lambda p: "batch_norm_relu", abstract=_stats_abstract, reference=_stats_reference)
+GRAD_SUMS = Stage("bn_grad_sums", "bwd_partials", ("dy", "x", "mask", "mean", "rstd"),
+                  ("dscale", "dbias"), op_of=lambda p: "batch_norm_relu",
+                  abstract=_grad_sums_abstract, reference=_grad_sums_reference)
+DX = Stage("bn_dx", "bwd_apply",
+           ("dy", "x", "mask", "mean", "rstd", "scale", "gmean", "gvar", "dscale", "dbias"),
+           ("dx", "dz?"), op_of=lambda p: _op_name(p["has_z"]), abstract=_dx_abstract,
+           reference=_dx_reference)
+
+
+def _stats_workspace(call, operands, params):
+    rows, c = _rows_channels(operands[0].shape)
+    return core.ShapedArray((3, work_rows(rows, c), c), _F32)
+
+
+def _grad_sums_workspace(call, operands, params):
+    rows, c = _rows_channels(operands[1].shape)
+    return core.ShapedArray((2, work_rows(rows, c), c), _F32)
+
+
+_STAGE_KERNELS = {
+    "partials": ffi("jax_ops_bn_stats", lambda p: {"epsilon": np.float32(p["epsilon"])},
+                    scratch=_stats_workspace),
+    "bwd_partials": ffi("jax_ops_bn_grad_sums", flat_operands=(2,), scratch=_grad_sums_workspace),
+    "bwd_apply": ffi("jax_ops_bn_dx",
+                     lambda p: {"has_z": bool(p["has_z"]), "count": np.float32(p["count"])},
+                     flat_operands=(2,)),
+}
 
 
 # --------------------------------------------------------------- backward ---
@@ -366,8 +491,9 @@ def _backward(res, cts, wanted, params, in_avals):
 BN_RELU = Op(
     ("batch_norm_relu", "batch_norm_add_relu"), FWD, BWD,
     outputs=_outputs, residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
+    stages=(STATS, GRAD_SUMS, DX),
     impls={
-        "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd},
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd, **_STAGE_KERNELS},
                      supports=ffi_supports("jax_ops_bn_relu_fwd"),
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},

@@ -33,7 +33,7 @@ from jax_ops import _extension
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
 from jax_ops.core.validate import check_epsilon, check_vectors, check_x
-from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_implementation,
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_uses_kernels,
                              match_vma, pallas_supports, vmap_reference)
 from jax_ops.core.sharding import gather_parts, merge_moments, ordered_sum
 from jax_ops.core.pattern import (BF16, OP_DTYPES, Formulation, Pattern, accepts_x,
@@ -176,8 +176,9 @@ def _fwd_local(layout, mesh, x, residual, scale, bias, *, implementation, **para
     merged exactly in device order (Chan), then APPLY normalizes the local columns.
     With xla: jnp, per-row partial sums psum'ed over the column axes (Σx, then
     Σ(x − mean)²; O(rows) each)."""
-    if local_implementation(FWD, mesh, x, residual, scale, bias, implementation=implementation,
-                            **params) == "xla":
+    if not local_uses_kernels(
+            mesh, (FWD, (x, residual, scale, bias), dict(params, implementation=implementation)),
+            (PARTIALS, (x, residual), dict(rms=params["rms"], implementation=implementation))):
         def row_sums(*a):
             return jax.lax.psum(_row_sums(*a), layout.col_axes)
         return _fwd_reference(x, residual, scale, bias, row_sums=row_sums, cols=layout.shape[-1],
@@ -205,8 +206,10 @@ def _bwd_local(layout, mesh, dy, dh, x, mean, rstd, scale, *, implementation, **
     def col_total(a):
         return jax.lax.psum(a, layout.row_axes) if layout.row_axes else a
 
-    if local_implementation(BWD, mesh, dy, dh, x, mean, rstd, scale, implementation=implementation,
-                            **params) == "xla":
+    if not local_uses_kernels(
+            mesh, (BWD, (dy, dh, x, mean, rstd, scale), dict(params, implementation=implementation)),
+            (BWD_PARTIALS, (dy, x, mean, rstd, scale), dict(rms=params["rms"],
+                                                            implementation=implementation))):
         def row_sums(*a):
             return jax.lax.psum(_row_sums(*a), layout.col_axes)
         return _bwd_reference(dy, dh, x, mean, rstd, scale, row_sums=row_sums, cols=layout.shape[-1],

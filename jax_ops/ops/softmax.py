@@ -38,7 +38,7 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec, view_len
-from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_implementation,
+from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, local_uses_kernels,
                              match_vma, pallas_supports)
 from jax_ops.core.sharding import gather_parts, ordered_sum
 from jax_ops.core.pattern import BF16, Formulation, Pattern, accepts_x, sds
@@ -269,10 +269,11 @@ def _global_index(layout, dim, local):
     return i
 
 
-def _kernel_stages(stage, layout, mesh, *operands, **params) -> bool:
-    """Whether the per-device code runs our stage kernels (softmax over the last axis, and
-    the implementation resolving to other than xla for the local shards), else jnp."""
-    return params["axis"] == -1 and local_implementation(stage, mesh, *operands, **params) != "xla"
+def _kernel_stages(mesh, *calls, axis) -> bool:
+    """Whether the per-device code runs our stage kernels: softmax over the last axis,
+    and local_uses_kernels for `calls` (the one-device stage and the first per-device
+    stage)."""
+    return axis == -1 and local_uses_kernels(mesh, *calls)
 
 
 def _causal_offset(layout, x):
@@ -312,7 +313,9 @@ def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, im
     device's (O(rows × devices) floats), merged in device order, and APPLY writes y.
     Else jnp: pmax/psum over the column axes, causal from global indices."""
     params = dict(axis=axis, scale=scale, log=log, causal=causal, mask_kind=mask_kind)
-    if _kernel_stages(FWD, layout, mesh, x, mask, implementation=implementation, **params):
+    if _kernel_stages(mesh, (FWD, (x, mask), dict(params, implementation=implementation)),
+                      (PARTIALS, (x, mask, None), dict(scale=scale, causal=causal, mask_kind=mask_kind,
+                                                       implementation=implementation)), axis=axis):
         offset = _causal_offset(layout, x) if causal else None
         kw = dict(scale=scale, causal=causal, mask_kind=mask_kind, implementation=implementation)
         m, s = PARTIALS.call(x, mask, offset, **kw)
@@ -332,8 +335,9 @@ def _fwd_local(layout, mesh, x, mask, *, axis, scale, log, causal, mask_kind, im
 def _bwd_local(layout, mesh, y, dy, *, axis, scale, log, implementation):
     """Per device, the softmax axis sharded: with kernels BWD_PARTIALS (Σ dy·y; log: Σ dy
     per row), all_gather and an in-order sum, BWD_APPLY; else jnp with a psum."""
-    if _kernel_stages(BWD, layout, mesh, y, dy, implementation=implementation, axis=axis,
-                      scale=scale, log=log):
+    if _kernel_stages(mesh, (BWD, (y, dy), dict(axis=axis, scale=scale, log=log,
+                                                implementation=implementation)),
+                      (BWD_PARTIALS, (y, dy), dict(log=log, implementation=implementation)), axis=axis):
         (dot,) = BWD_PARTIALS.call(y, dy, log=log, implementation=implementation)
         dot = ordered_sum(gather_parts([dot], layout.col_axes)[0])
         return BWD_APPLY.call(y, dy, dot, scale=scale, log=log, implementation=implementation)
