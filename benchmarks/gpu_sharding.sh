@@ -12,10 +12,12 @@ for so in $(python3 -c 'import jax_plugins, glob; print(" ".join(f for p in jax_
 set -o pipefail
 timeout 400 python3 benchmarks/sharding_gpu.py --out "$OUT/sharding.json" "$@" 2>&1 | tee "$OUT/sharding.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  { timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_sharding_hidden.py \
+  { timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_sharding.py tests/test_sharding_hidden.py \
       tests/test_batch_norm.py tests/test_cross_entropy.py -k "device or shard or mesh or stage" 2>&1 | tail -4
-    echo "# compute-sanitizer memcheck, the BatchNorm stage kernels (float32, bfloat16)"
-    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_batch_norm.py -k "stages_against and cuda and (float32 or bfloat16)" 2>&1 | grep -E "passed|failed|ERROR SUMMARY|error" | tail -4
+    timeout 110 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_cross_entropy.py 2>&1 | tail -2
+    echo "# compute-sanitizer memcheck, the BatchNorm and cross-entropy stage kernels (float32, bfloat16)"
+    timeout 140 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_batch_norm.py tests/test_cross_entropy.py \
+      -k "(stages_against or vocab_stages) and cuda and (float32 or bfloat16)" 2>&1 | grep -E "passed|failed|ERROR SUMMARY|error" | tail -4
   } | tee "$OUT/tests.txt"
 fi

@@ -213,11 +213,30 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(FwdArgs a) {
       else return true;
     };
     const int32_t label = a.labels[row];
-    const float w = a.weight[row];
-    const float z_label = label_in_range(label, a.cols) ? to_float(x[label]) : NAN;  // one address for the block
+    const float w = a.weight == nullptr ? 0.f : a.weight[row];
+    // One address for the block. A shard's partials count a label elsewhere as 0.
+    float z_label = label_in_range(label, a.cols) ? to_float(x[label]) : (a.parts != nullptr ? 0.f : NAN);
 
     float m = neg_inf(), sums[3] = {0.f, 0.f, 0.f};  // Σ exp, Σ z, kept count
-    if constexpr (CACHE) {
+    const float* given = a.stats == nullptr ? nullptr : a.stats + row * kStatCount;
+    if (given != nullptr) {  // apply: the whole row's statistics, merged over the shards
+      m = given[0];
+      sums[0] = given[1];
+      sums[1] = given[2];
+      sums[2] = given[3];
+      z_label = given[4];
+      if constexpr (CACHE) {  // stage the row for the gradient pass
+        if (a.cols % PACK != 0) __syncthreads();
+        copy_packs_to_smem(cbody, xbody, geo.nbody);
+        if constexpr (PACK > 1)
+          for (int64_t i = threadIdx.x; i < geo.nscalar; i += blockDim.x) {
+            const int64_t col = geo.scalar_col(i);
+            cache[col + geo.off] = x[col];
+          }
+        wait_copies();
+        __syncthreads();  // the scalar head/tail are read by other threads
+      }
+    } else if constexpr (CACHE) {
       // The packs' shared-memory slots move with the row's alignment: a thread could
       // overwrite a slot another thread still reads from the previous row.
       if (a.cols % PACK != 0) __syncthreads();
@@ -273,7 +292,18 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(FwdArgs a) {
       sums[2] = st.n;
       block_sums(sums);
     }
-    const float n = MASKED ? sums[2] : float(a.cols);
+    const float n = given != nullptr || MASKED ? sums[2] : float(a.cols);
+    if (a.parts != nullptr) {  // partials: the shard's statistics only
+      if (threadIdx.x == 0) {
+        float* out = a.parts + row * kStatCount;
+        out[0] = m;
+        out[1] = sums[0];
+        out[2] = sums[1];
+        out[3] = n;
+        out[4] = z_label;
+      }
+      continue;
+    }
     const RowOut r = finish_row(m, sums[0], sums[1], n, z_label, w, ls, zl);
     if (threadIdx.x == 0) {
       a.loss[row] = r.loss;

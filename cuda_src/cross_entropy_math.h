@@ -35,7 +35,16 @@ struct FwdArgs {
   void* dlogits;           // [rows, cols], T, or nullptr (no gradient)
   int64_t rows, cols;
   float label_smoothing, z_loss;
+  // The vocabulary-sharded stages (columns: one device's shard; labels: local columns,
+  // anything outside the shard "out of range"). Per row, kStatCount floats
+  // (max, Σ exp(z - safe_max(max)), Σ z, kept count, z_label):
+  float* parts = nullptr;        // partials: the shard's, z_label 0 when the label is not
+                                 // in the shard; nothing else is written
+  const float* stats = nullptr;  // apply: the whole rows' (merged over the shards); the
+                                 // row's own statistics are not computed
 };
+
+constexpr int kStatCount = 5;
 
 struct BwdArgs {
   const void* in;          // dlogits [rows, cols], T

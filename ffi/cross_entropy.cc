@@ -9,6 +9,7 @@
 //   placeholder when has_mask is false; dlogits: a placeholder when with_grad is false.
 // jax_ops_ce_bwd(dlogits [..., V], g [...] f32) -> dlogits scaled by g per row; XLA
 //   aliases the result to the operand (in place), so rows with g == 1 are skipped.
+// jax_ops_ce_partials / jax_ops_ce_apply: the vocabulary-sharded stages (below).
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -40,6 +41,22 @@ ffi::Error expect_rows(const ffi::AnyBuffer& b, const char* name, ffi::DataType 
                  "); got " + shape_dtype_str(b));
 }
 
+// a.mask and a.mask_rows from the mask operand (a.rows, a.cols set).
+ffi::Error mask_args(FwdArgs& a, const ffi::AnyBuffer& logits, const ffi::AnyBuffer& mask, bool has_mask) {
+  a.mask = nullptr;
+  a.mask_rows = 0;
+  if (!has_mask) return expect_empty(mask, "mask", "without has_mask");
+  const int64_t count = int64_t(mask.element_count());
+  if (mask.element_type() != ffi::DataType::PRED || a.cols == 0 || count % a.cols != 0 ||
+      (count / a.cols != 1 && count / a.cols != a.rows))
+    return invalid("mask must be bool with " + std::to_string(a.cols) + " or " + std::to_string(a.rows * a.cols) +
+                   " elements (one row for every row, or one per row of logits " + dims_str(logits.dimensions()) +
+                   "); got " + shape_dtype_str(mask));
+  a.mask = static_cast<const uint8_t*>(mask.untyped_data());
+  a.mask_rows = count / a.cols;
+  return ffi::Error::Success();
+}
+
 ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
                                ffi::AnyBuffer mask, ffi::AnyBuffer loss, ffi::AnyBuffer lse, ffi::AnyBuffer dlogits,
                                float label_smoothing, float z_loss, bool with_grad, bool has_mask) {
@@ -68,20 +85,7 @@ ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi
   a.dlogits = with_grad ? dlogits.untyped_data() : nullptr;
   a.label_smoothing = label_smoothing;
   a.z_loss = z_loss;
-  a.mask = nullptr;
-  a.mask_rows = 0;
-  if (has_mask) {
-    const int64_t count = int64_t(mask.element_count());
-    if (mask.element_type() != ffi::DataType::PRED || a.cols == 0 || count % a.cols != 0 ||
-        (count / a.cols != 1 && count / a.cols != a.rows))
-      return invalid("mask must be bool with " + std::to_string(a.cols) + " or " + std::to_string(a.rows * a.cols) +
-                     " elements (one row for every row, or one per row of logits " + dims_str(logits.dimensions()) +
-                     "); got " + shape_dtype_str(mask));
-    a.mask = static_cast<const uint8_t*>(mask.untyped_data());
-    a.mask_rows = count / a.cols;
-  } else {
-    JO_TRY(expect_empty(mask, "mask", "without has_mask"));
-  }
+  JO_TRY(mask_args(a, logits, mask, has_mask));
   return a;
 }
 
@@ -97,6 +101,37 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer in, ffi::AnyBuffer g, ffi::AnyBuff
   a.out = out.untyped_data();
   a.g = static_cast<const float*>(g.untyped_data());
   a.skip_ones = a.in == a.out;
+  return a;
+}
+
+// The vocabulary-sharded stages (ops/cross_entropy.py's local; labels: local columns):
+//   jax_ops_ce_partials(logits, labels, mask) -> parts [..., 5] f32   attr has_mask
+//   jax_ops_ce_apply(logits, labels, weight, mask, stats [..., 5]) -> (loss, lse, dlogits)
+//     attrs label_smoothing, z_loss, has_mask; stats: the whole rows' statistics
+ffi::ErrorOr<FwdArgs> partials_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer mask,
+                                    ffi::AnyBuffer parts, bool has_mask) {
+  auto rc = rows_cols(logits, "logits");
+  if (rc.has_error()) return rc.error();
+  FwdArgs a{};
+  a.rows = rc.value().first;
+  a.cols = rc.value().second;
+  JO_TRY(expect_rows(labels, "labels", ffi::DataType::S32, "int32", a.rows));
+  JO_TRY(expect_rows(parts, "parts", ffi::DataType::F32, "float32", a.rows * kStatCount));
+  JO_TRY(mask_args(a, logits, mask, has_mask));
+  a.logits = logits.untyped_data();
+  a.labels = static_cast<const int32_t*>(labels.untyped_data());
+  a.parts = static_cast<float*>(parts.untyped_data());
+  return a;
+}
+
+ffi::ErrorOr<FwdArgs> apply_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
+                                 ffi::AnyBuffer mask, ffi::AnyBuffer stats, ffi::AnyBuffer loss, ffi::AnyBuffer lse,
+                                 ffi::AnyBuffer dlogits, float label_smoothing, float z_loss, bool has_mask) {
+  auto args = fwd_args(logits, labels, weight, mask, loss, lse, dlogits, label_smoothing, z_loss, true, has_mask);
+  if (args.has_error()) return args.error();
+  FwdArgs a = args.value();
+  JO_TRY(expect_rows(stats, "stats", ffi::DataType::F32, "float32", a.rows * kStatCount));
+  a.stats = static_cast<const float*>(stats.untyped_data());
   return a;
 }
 
@@ -127,8 +162,22 @@ void fwd_cpu(const FwdArgs& a) {
     }
     const int32_t label = a.labels[r];
     const bool in_range = label_in_range(label, a.cols);
-    const float zl = in_range ? z[label] : NAN;
-    const RowOut out = finish_row(m, float(s), float(sum_z), float(n), zl, a.weight[r], a.label_smoothing, a.z_loss);
+    float zl = in_range ? z[label] : (a.parts != nullptr ? 0.f : NAN);
+    if (a.parts != nullptr) {  // a shard's statistics only
+      float* out = a.parts + r * kStatCount;
+      out[0] = m;
+      out[1] = float(s);
+      out[2] = float(sum_z);
+      out[3] = float(n);
+      out[4] = zl;
+      continue;
+    }
+    float fs = float(s), fsum_z = float(sum_z), fn = float(n);
+    if (a.stats != nullptr) {  // the whole row's, merged over the shards
+      const float* st = a.stats + r * kStatCount;
+      m = st[0], fs = st[1], fsum_z = st[2], fn = st[3], zl = st[4];
+    }
+    const RowOut out = finish_row(m, fs, fsum_z, fn, zl, a.weight[r], a.label_smoothing, a.z_loss);
     a.loss[r] = out.loss;
     a.lse[r] = out.lse;
     if (dx == nullptr) continue;
@@ -172,8 +221,49 @@ ffi::Error CeBwdCpu(ffi::AnyBuffer dlogits, ffi::AnyBuffer g, ffi::Result<ffi::A
   });
 }
 
+ffi::Error CePartialsCpu(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer mask,
+                         ffi::Result<ffi::AnyBuffer> parts, bool has_mask) {
+  auto args = partials_args(logits, labels, mask, *parts, has_mask);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(logits.element_type(), "logits", [&](auto t) {
+    fwd_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error CeApplyCpu(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight, ffi::AnyBuffer mask,
+                      ffi::AnyBuffer stats, ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
+                      ffi::Result<ffi::AnyBuffer> dlogits, float label_smoothing, float z_loss, bool has_mask) {
+  auto args = apply_args(logits, labels, weight, mask, stats, *loss, *lse, *dlogits, label_smoothing, z_loss, has_mask);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(logits.element_type(), "logits", [&](auto t) {
+    fwd_cpu<decltype(t)>(args.value());
+    return ffi::Error::Success();
+  });
+}
+
 #ifdef JAX_OPS_WITH_CUDA
 // ------------------------------------------------------------------ CUDA ---
+
+ffi::Error CePartialsCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer mask,
+                          ffi::Result<ffi::AnyBuffer> parts, bool has_mask) {
+  auto args = partials_args(logits, labels, mask, *parts, has_mask);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(logits.element_type(), "logits", [&](auto t) {
+    return cuda_status(launch_fwd<decltype(t)>(args.value(), stream), "jax_ops_ce_partials");
+  });
+}
+
+ffi::Error CeApplyCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
+                       ffi::AnyBuffer mask, ffi::AnyBuffer stats, ffi::Result<ffi::AnyBuffer> loss,
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> dlogits, float label_smoothing,
+                       float z_loss, bool has_mask) {
+  auto args = apply_args(logits, labels, weight, mask, stats, *loss, *lse, *dlogits, label_smoothing, z_loss, has_mask);
+  if (args.has_error()) return args.error();
+  return dispatch_activation(logits.element_type(), "logits", [&](auto t) {
+    return cuda_status(launch_fwd<decltype(t)>(args.value(), stream), "jax_ops_ce_apply");
+  });
+}
 
 ffi::Error CeFwdCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
                      ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,
@@ -213,4 +303,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsCeFwdCuda, jax_ops::ce::CeFwdCuda,
                               JO_CE_FWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsCeBwdCuda, jax_ops::ce::CeBwdCuda,
                               JO_CE_BWD_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()), JO_CUDA_TRAITS);
+#endif
+
+#define JO_CE_PARTIALS_SIGNATURE(bind)                                                              \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()     \
+      .Attr<bool>("has_mask")
+#define JO_CE_APPLY_SIGNATURE(bind)                                                                 \
+  bind.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()     \
+      .Arg<ffi::AnyBuffer>()                                                                        \
+      .Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()                            \
+      .Attr<float>("label_smoothing").Attr<float>("z_loss").Attr<bool>("has_mask")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsCePartialsCpu, jax_ops::ce::CePartialsCpu, JO_CE_PARTIALS_SIGNATURE(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsCeApplyCpu, jax_ops::ce::CeApplyCpu, JO_CE_APPLY_SIGNATURE(ffi::Ffi::Bind()));
+#ifdef JAX_OPS_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsCePartialsCuda, jax_ops::ce::CePartialsCuda,
+                              JO_CE_PARTIALS_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              JO_CUDA_TRAITS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxOpsCeApplyCuda, jax_ops::ce::CeApplyCuda,
+                              JO_CE_APPLY_SIGNATURE(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              JO_CUDA_TRAITS);
 #endif

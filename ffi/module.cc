@@ -32,6 +32,8 @@ NB_MODULE(_ffi, m) {
     cpu["jax_ops_bn_dx"] = capsule(JaxOpsBnDxCpu);
     cpu["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCpu);
     cpu["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCpu);
+    cpu["jax_ops_ce_partials"] = capsule(JaxOpsCePartialsCpu);
+    cpu["jax_ops_ce_apply"] = capsule(JaxOpsCeApplyCpu);
     // hidden-sharded stages of the norms and softmax (issue 23)
     cpu["jax_ops_norm_partials"] = capsule(JaxOpsNormPartCpu);
     cpu["jax_ops_norm_apply"] = capsule(JaxOpsNormApplyCpu);
@@ -56,6 +58,8 @@ NB_MODULE(_ffi, m) {
     cuda["jax_ops_bn_dx"] = capsule(JaxOpsBnDxCuda);
     cuda["jax_ops_ce_fwd"] = capsule(JaxOpsCeFwdCuda);
     cuda["jax_ops_ce_bwd"] = capsule(JaxOpsCeBwdCuda);
+    cuda["jax_ops_ce_partials"] = capsule(JaxOpsCePartialsCuda);
+    cuda["jax_ops_ce_apply"] = capsule(JaxOpsCeApplyCuda);
     cuda["jax_ops_norm_partials"] = capsule(JaxOpsNormPartCuda);
     cuda["jax_ops_norm_apply"] = capsule(JaxOpsNormApplyCuda);
     cuda["jax_ops_norm_bwd_partials"] = capsule(JaxOpsNormBwdPartCuda);

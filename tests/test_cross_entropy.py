@@ -651,8 +651,61 @@ def test_sharded_equals_unsharded(spec, impl):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=2e-6, atol=1e-8)
     np.testing.assert_allclose(np.asarray(jax.jit(g)(xs, ls)), np.asarray(jax.jit(g)(x, labels)),
                                rtol=2e-6, atol=1e-8)
+    # O(rows): all-reduces of per-row values; with the kernels' stages one all_gather of
+    # every vocabulary device's 5 statistics a row (the logits are 2048 elements)
+    vocab_devices = mesh.shape[spec[2]] if spec[2] else 1
     for kind, sizes in support.collectives(f, xs, ls):
-        assert kind == "all-reduce" and all(n <= 32 for n in sizes), (kind, sizes)
+        assert (kind == "all-reduce" and all(n <= 32 for n in sizes)) or (
+            kind == "all-gather" and impl == "cuda" and all(n <= 5 * 32 * vocab_devices for n in sizes)), (kind, sizes)
+    if vocab_devices > 1:
+        text = jax.jit(f).lower(xs, ls).compile().as_text()
+        for target in ("jax_ops_ce_partials", "jax_ops_ce_apply"):
+            assert (f'custom_call_target="{target}"' in text) == (impl == "cuda"), target
+
+
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("options", ["plain", "smoothing_zloss_mask"])
+@pytest.mark.parametrize("V,shards", [(64, 2), (99, 3), (4100, 2)])
+def test_vocab_stages_equal_one_device(V, shards, options, dtype, impl):
+    """The vocabulary-sharded stages on column shards of the logits (as each device runs
+    them): PARTIALS per shard with its local labels, the merge, APPLY per shard, against
+    the one-device forward with the gradient: the same loss, lse and dlogits (labels out
+    of range, ignored rows (weight 0), -inf logits, a row whose kept logits are all
+    -inf, a class mask)."""
+    need(impl)
+    from jax_ops.ops.cross_entropy import APPLY, FWD, PARTIALS, merge_stat_parts
+    rng = np.random.default_rng(seed_of(f"vstages{V}{shards}{options}{dtype}{impl}"))
+    x = np.array(make_logits(rng, (3, 5, V), "float32"))
+    x[0, 1, ::7] = -np.inf
+    masked = options != "plain"
+    mask = None
+    if masked:
+        mask = jnp.asarray(rng.random((1, 1, V)) > 0.2)
+        x[1, 2, np.asarray(mask)[0, 0]] = -np.inf  # every kept logit -inf
+    x = jnp.asarray(x, dtype)
+    labels = make_labels(rng, (3, 5), V).at[0, 0].set(V).at[2, 4].set(V - 1).at[1, 0].set(0)
+    weight = jnp.asarray(rng.random((3, 5)) > 0.2, jnp.float32) * 0.5
+    kw = dict(label_smoothing=0.1 if masked else 0.0, z_loss=1e-3 if masked else 0.0)
+    loss, lse, d = FWD.call(x, labels, weight, mask, with_grad=True, implementation=impl, **kw)
+    k = V // shards
+    cut = [(i * k, (i + 1) * k) for i in range(shards)]
+    local = [(labels - c0).astype(jnp.int32) for c0, _ in cut]
+    pieces = [(x[..., c0:c1], None if mask is None else mask[..., c0:c1]) for c0, c1 in cut]
+    parts = [PARTIALS.call(xs, lab, ms, implementation=impl)[0] for (xs, ms), lab in zip(pieces, local)]
+    stats = merge_stat_parts(jnp.stack(parts), labels, V)
+    outs = [APPLY.call(xs, lab, weight, ms, stats, implementation=impl, **kw)
+            for (xs, ms), lab in zip(pieces, local)]
+    for got_loss, got_lse, _ in outs:
+        np.testing.assert_allclose(np.asarray(got_loss), np.asarray(loss), rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=2e-5, atol=1e-6)
+    got_d = np.concatenate([np.asarray(o[2], np.float32) for o in outs], axis=-1)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(got_d, np.asarray(d, np.float32), rtol=tol, atol=tol * 1e-2)
+    # and the float64 reference of the public semantics, for the rows that count
+    want_loss, want_g = ref(np.asarray(x, np.float64), labels, where=None if mask is None else mask, **kw)
+    live = (np.asarray(weight) > 0) & np.isfinite(want_loss)
+    np.testing.assert_allclose(np.asarray(outs[0][0])[live], 0.5 * want_loss[live], rtol=1e-4 if dtype == "float32" else 1e-2)
 
 
 # --------------------------------------------------- linear_cross_entropy ---

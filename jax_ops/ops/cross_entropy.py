@@ -40,7 +40,8 @@ from jax import core
 
 from jax_ops.core import registry
 from jax_ops.core.benchspec import BenchSpec
-from jax_ops.core.op import Impl, Op, Stage, ffi, ffi_supports, pallas_supports
+from jax_ops.core.op import Impl, Op, Stage, ffi, ffi_supports, local_uses_kernels, pallas_supports
+from jax_ops.core.sharding import gather_parts, ordered_sum
 from jax_ops.core.pattern import BF16, F32, OP_DTYPES, Formulation, Pattern, sds
 from jax_ops.core.validate import ACT_DTYPES
 from jax_ops.core.validate import dtype_name as _fmt_dtype
@@ -238,16 +239,138 @@ def _bwd_batch(stage, args, dims, **params):
 
 # ---------------------------------------------------------------- sharding ---
 # Rows sharded: the kernels run on each device's rows. The vocabulary sharded (tensor
-# parallel): per-device max, Σ exp, the label's logit (from the device holding it),
-# Σ z and the kept count combined by pmax/psum over its mesh axes (O(rows) data), then
-# the local columns' gradient (jnp); no logits are gathered.
+# parallel), with kernels: PARTIALS writes each row's statistics over the device's
+# columns (max, Σ exp, Σ z, kept count, the label's logit where the device holds it),
+# one all_gather over the vocabulary's mesh axes brings every device's (5 floats a row
+# each), merged in device order (exact, bitwise the same on every device), and APPLY
+# writes the local columns' dlogits and the loss from the whole rows' statistics: the
+# logits are read twice (once by each stage), none are gathered. Else (xla) jnp with
+# pmax/psum of the per-row partial results.
 
 def _fwd_local(layout, mesh, logits, labels, weight, mask, *, implementation, **params):
     cols = layout.col_axes
     col0 = jax.lax.axis_index(cols) * logits.shape[-1]
+    if local_uses_kernels(
+            mesh, (FWD, (logits, labels, weight, mask), dict(params, implementation=implementation)),
+            (PARTIALS, (logits, labels, mask), dict(implementation=implementation))):
+        local = (labels - col0).astype(jnp.int32)  # the label's column in this shard
+        (parts,) = PARTIALS.call(logits, local, mask, implementation=implementation)
+        stats = merge_stat_parts(gather_parts([parts], cols)[0], labels, layout.shape[-1])
+        ls, zl = params["label_smoothing"], params["z_loss"]
+        if params["with_grad"]:
+            return APPLY.call(logits, local, weight, mask, stats, label_smoothing=ls, z_loss=zl,
+                              implementation=implementation)
+        loss, lse, _ = _finish_reference(None, None, None, weight, stats, ls, zl, with_grad=False)
+        return loss, lse, None
     return _fwd_reference(logits, labels, weight, mask, **params,
                           psum=lambda a: jax.lax.psum(a, cols), pmax=lambda a: jax.lax.pmax(a, cols),
                           col0=col0, vocab=layout.shape[-1])
+
+
+def merge_stat_parts(parts, labels, vocab):
+    """The whole rows' statistics (..., 5) from the shards' (stacked on a leading device
+    axis, in device order): the max of the maxima, Σ exp rescaled to it, Σ z, the kept
+    count, the label's logit (0 from the shards without it; NaN for an out-of-range
+    label, labels being in [0, vocab] with vocab out of range)."""
+    m, s, sum_z, n, z_lab = (parts[..., i] for i in range(_STATS))
+    top = m[0]
+    for i in range(1, m.shape[0]):
+        top = jnp.maximum(top, m[i])
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    total = ordered_sum(jnp.where(m == -jnp.inf, s, s * jnp.exp(m - shift)))
+    z_lab = jnp.where(labels < vocab, ordered_sum(z_lab), jnp.nan)
+    return jnp.stack([top, total, ordered_sum(sum_z), ordered_sum(n), z_lab], axis=-1)
+
+
+# Per-device stages of the vocabulary-sharded local (labels: columns of the shard, others
+# out of range):
+#   jax_ops_ce_partials(logits, labels, mask?) -> (parts [..., 5],)
+#   jax_ops_ce_apply(logits, labels, weight, mask?, stats [..., 5]) -> (loss, lse, dlogits)
+#     params label_smoothing, z_loss; stats the whole rows' (max, Σ exp(z − max), Σ z,
+#     kept count, label logit)
+_STATS = 5
+
+
+def _stats_aval(logits):
+    return core.ShapedArray(tuple(logits.shape[:-1]) + (_STATS,), _F32)
+
+
+def _partials_abstract(logits, labels, mask):
+    _check_abstract(logits, labels, core.ShapedArray(labels.shape, _F32), mask)
+    return (_stats_aval(logits),)
+
+
+def _kept(z, mask):
+    return None if mask is None else jnp.broadcast_to(mask, z.shape)
+
+
+def _partials_reference(logits, labels, mask):
+    z = logits.astype(jnp.float32)
+    keep = _kept(z, mask)
+    zk = z if keep is None else jnp.where(keep, z, -jnp.inf)
+    m = jnp.max(zk, axis=-1)
+    shift = jnp.where(m == -jnp.inf, 0.0, m)
+    s = jnp.sum(jnp.exp(zk - shift[..., None]), axis=-1)
+    sum_z = jnp.sum(z if keep is None else jnp.where(keep, z, 0.0), axis=-1)
+    n = (jnp.full(m.shape, float(z.shape[-1]), jnp.float32) if keep is None
+         else jnp.sum(keep, axis=-1, dtype=jnp.float32))
+    cols = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    z_lab = jnp.sum(jnp.where(cols == labels[..., None], z, 0.0), axis=-1)
+    return (jnp.stack([m, s, sum_z, n, z_lab], axis=-1),)
+
+
+def _apply_abstract(logits, labels, weight, mask, stats, *, label_smoothing, z_loss):
+    _check_abstract(logits, labels, weight, mask)
+    if stats.dtype != _F32 or tuple(stats.shape) != _stats_aval(logits).shape:
+        raise ValueError(f"jax_ops {OP} apply: stats must be float32 of shape "
+                         f"{_stats_aval(logits).shape}; got {tuple(stats.shape)} {_fmt_dtype(stats.dtype)}")
+    rows = core.ShapedArray(logits.shape[:-1], _F32)
+    return rows, rows, core.ShapedArray(logits.shape, logits.dtype)
+
+
+def _finish_reference(logits, labels, mask, weight, stats, ls, zl, with_grad=True):
+    """loss, lse (and dlogits of the given columns) from the whole rows' statistics: the
+    formulas of cross_entropy_math.h's finish_row and grad_elem."""
+    m, s, sum_z, n, z_lab = (stats[..., i] for i in range(_STATS))
+    shift = jnp.where(m == -jnp.inf, 0.0, m)
+    live = s > 0
+    s_safe = jnp.where(live, s, 1.0)
+    log_s = jnp.where(live, jnp.log(s_safe), -jnp.inf)
+    lse = shift + log_s
+    loss = (shift - z_lab) + log_s
+    if ls > 0.0:
+        mean_z = jnp.where(n > 0, sum_z / jnp.maximum(n, 1.0), 0.0)
+        loss = (1.0 - ls) * loss + ls * ((shift - mean_z) + log_s)
+    if zl > 0.0:
+        loss = loss + zl * lse * lse
+    zero = weight == 0.0
+    out = jnp.where(zero, 0.0, weight * jnp.where(zero, 0.0, loss))
+    if not with_grad:
+        return out, lse, None
+    z = logits.astype(jnp.float32)
+    keep = _kept(z, mask)
+    zk = z if keep is None else jnp.where(keep, z, -jnp.inf)
+    p = jnp.exp(zk - shift[..., None]) / s_safe[..., None]
+    if zl > 0.0:
+        p = p * (1.0 + 2.0 * zl * jnp.where(live, lse, 0.0))[..., None]
+    cols = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+    d = p - jnp.where(cols == labels[..., None], 1.0 - ls, 0.0)
+    if ls > 0.0:
+        step = jnp.where(n > 0, ls / jnp.maximum(n, 1.0), 0.0)[..., None]
+        d = d - (step if keep is None else jnp.where(keep, step, 0.0))
+    d = jnp.where(zero[..., None], 0.0, weight[..., None] * d)
+    return out, lse, d.astype(logits.dtype)
+
+
+def _apply_reference(logits, labels, weight, mask, stats, *, label_smoothing, z_loss):
+    return _finish_reference(logits, labels, mask, weight, stats, label_smoothing, z_loss)
+
+
+PARTIALS = Stage("ce_partials", "partials", ("logits", "labels", "mask?"), ("parts",),
+                 op_of=lambda p: OP, abstract=_partials_abstract, reference=_partials_reference)
+APPLY = Stage("ce_apply", "apply", ("logits", "labels", "weight", "mask?", "stats"),
+              ("loss", "lse", "dlogits"), op_of=lambda p: OP, abstract=_apply_abstract,
+              reference=_apply_reference, variant=lambda p: "grad")
 
 
 # --------------------------------------------------------- implementations ---
@@ -277,6 +400,21 @@ _ffi_fwd_in_place = ffi("jax_ops_ce_fwd", _ffi_attrs, aliases={0: 2})  # logits 
 def _cuda_fwd(call, logits, labels, weight, mask, *, in_place=False, **params):
     fn = _ffi_fwd_in_place if in_place and params["with_grad"] else _ffi_fwd
     return fn(call, logits, labels, weight, _kernel_mask(mask, logits), has_mask=mask is not None, **params)
+
+
+_ffi_partials = ffi("jax_ops_ce_partials", lambda p: {"has_mask": bool(p["has_mask"])})
+_ffi_apply = ffi("jax_ops_ce_apply",
+                 lambda p: {"label_smoothing": np.float32(p["label_smoothing"]),
+                            "z_loss": np.float32(p["z_loss"]), "has_mask": bool(p["has_mask"])})
+
+
+def _cuda_partials(call, logits, labels, mask):
+    return _ffi_partials(call, logits, labels, _kernel_mask(mask, logits), has_mask=mask is not None)
+
+
+def _cuda_apply(call, logits, labels, weight, mask, stats, **params):
+    return _ffi_apply(call, logits, labels, weight, _kernel_mask(mask, logits), stats,
+                      has_mask=mask is not None, **params)
 
 
 def _pallas_fwd(call, logits, labels, weight, mask, *, label_smoothing, z_loss, with_grad,
@@ -353,11 +491,12 @@ def _backward(res, cts, wanted, params, in_avals):
 
 
 CROSS_ENTROPY = Op(
-    (OP,), FWD, BWD,
+    (OP,), FWD, BWD, stages=(PARTIALS, APPLY),
     outputs=lambda p: ("loss",), train=lambda p: dict(p, with_grad=True),
     residuals=_residuals, backward=_backward, user_adapter=_user_adapter,
     impls={
-        "cuda": Impl({"fwd": _cuda_fwd, "bwd": ffi("jax_ops_ce_bwd", aliases={0: 0})},
+        "cuda": Impl({"fwd": _cuda_fwd, "bwd": ffi("jax_ops_ce_bwd", aliases={0: 0}),
+                      "partials": _cuda_partials, "apply": _cuda_apply},
                      supports=ffi_supports("jax_ops_ce_fwd"),
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
