@@ -217,28 +217,11 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(FwdArgs a) {
     // One address for the block. A shard's partials count a label elsewhere as 0.
     float z_label = label_in_range(label, a.cols) ? to_float(x[label]) : (a.parts != nullptr ? 0.f : NAN);
 
-    float m = neg_inf(), sums[3] = {0.f, 0.f, 0.f};  // Σ exp, Σ z, kept count
-    const float* given = a.stats == nullptr ? nullptr : a.stats + row * kStatCount;
-    if (given != nullptr) {  // apply: the whole row's statistics, merged over the shards
-      m = given[0];
-      sums[0] = given[1];
-      sums[1] = given[2];
-      sums[2] = given[3];
-      z_label = given[4];
-      if constexpr (CACHE) {  // stage the row for the gradient pass
-        if (a.cols % PACK != 0) __syncthreads();
-        copy_packs_to_smem(cbody, xbody, geo.nbody);
-        if constexpr (PACK > 1)
-          for (int64_t i = threadIdx.x; i < geo.nscalar; i += blockDim.x) {
-            const int64_t col = geo.scalar_col(i);
-            cache[col + geo.off] = x[col];
-          }
-        wait_copies();
-        __syncthreads();  // the scalar head/tail are read by other threads
-      }
-    } else if constexpr (CACHE) {
-      // The packs' shared-memory slots move with the row's alignment: a thread could
-      // overwrite a slot another thread still reads from the previous row.
+    // The row into shared memory. The packs' shared-memory slots move with the row's
+    // alignment: a thread could overwrite a slot another thread still reads from the
+    // previous row. The scalar head/tail are read by other threads than their writers
+    // (the first block reduction, or the barrier of apply mode, orders them).
+    auto stage_row = [&]() {
       if (a.cols % PACK != 0) __syncthreads();
       copy_packs_to_smem(cbody, xbody, geo.nbody);
       if constexpr (PACK > 1)
@@ -247,6 +230,22 @@ __global__ void __launch_bounds__(kMaxThreads) fwd_kernel(FwdArgs a) {
           cache[col + geo.off] = x[col];
         }
       wait_copies();
+    };
+
+    float m = neg_inf(), sums[3] = {0.f, 0.f, 0.f};  // Σ exp, Σ z, kept count
+    const float* given = a.stats == nullptr ? nullptr : a.stats + row * kStatCount;
+    if (given != nullptr) {  // apply: the whole row's statistics, merged over the shards
+      m = given[0];
+      sums[0] = given[1];
+      sums[1] = given[2];
+      sums[2] = given[3];
+      z_label = given[4];
+      if constexpr (CACHE) {  // staged for the gradient pass only
+        stage_row();
+        __syncthreads();
+      }
+    } else if constexpr (CACHE) {
+      stage_row();
       float mx = neg_inf();
       for_each_own<PACK>(geo, [&](int64_t p, int64_t col) {
         float z[PACK];

@@ -83,10 +83,9 @@ ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer z, ffi::AnyBuffe
                  l.rows, l.cols, epsilon, training};
 }
 
-ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
-                               ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer gmean, ffi::AnyBuffer gvar,
-                               ffi::AnyBuffer dx, ffi::AnyBuffer dz, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
-                               ffi::AnyBuffer work, bool training, bool has_z) {
+// The backward's common operands; dscale/dbias are results (grad_sums) or operands (dx).
+ffi::ErrorOr<BwdArgs> stage_bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                                     ffi::AnyBuffer rstd, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias) {
   auto layout = channels_last(x);
   if (layout.has_error()) return layout.error();
   const Layout l = layout.value();
@@ -94,28 +93,49 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuff
   JO_TRY(expect_mask(mask, "mask", l.rows * l.cols));
   JO_TRY(expect_f32_vector(mean, "mean", l.cols));
   JO_TRY(expect_f32_vector(rstd, "rstd", l.cols));
-  JO_TRY(expect_f32_vector(scale, "scale", l.cols));
+  JO_TRY(expect_f32_vector(dscale, "dscale", l.cols));
+  JO_TRY(expect_f32_vector(dbias, "dbias", l.cols));
+  BwdArgs a{};
+  a.dy = dy.untyped_data();
+  a.x = x.untyped_data();
+  a.mask = static_cast<const uint32_t*>(mask.untyped_data());
+  a.mean = static_cast<const float*>(mean.untyped_data());
+  a.rstd = static_cast<const float*>(rstd.untyped_data());
+  a.dscale = static_cast<float*>(dscale.untyped_data());
+  a.dbias = static_cast<float*>(dbias.untyped_data());
+  a.rows = l.rows;
+  a.cols = l.cols;
+  return a;
+}
+
+ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
+                               ffi::AnyBuffer rstd, ffi::AnyBuffer scale, ffi::AnyBuffer gmean, ffi::AnyBuffer gvar,
+                               ffi::AnyBuffer dx, ffi::AnyBuffer dz, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
+                               ffi::AnyBuffer work, bool training, bool has_z) {
+  auto args = stage_bwd_args(dy, x, mask, mean, rstd, dscale, dbias);
+  if (args.has_error()) return args.error();
+  BwdArgs a = args.value();
+  JO_TRY(expect_f32_vector(scale, "scale", a.cols));
   if (training) {
-    JO_TRY(expect_f32_vector(gmean, "gmean", l.cols));
-    JO_TRY(expect_f32_vector(gvar, "gvar", l.cols));
+    JO_TRY(expect_f32_vector(gmean, "gmean", a.cols));
+    JO_TRY(expect_f32_vector(gvar, "gvar", a.cols));
   } else {
     JO_TRY(expect_empty(gmean, "gmean", "in inference"));
     JO_TRY(expect_empty(gvar, "gvar", "in inference"));
   }
   JO_TRY(expect_like(dx, "dx", x, "x"));
   JO_TRY(has_z ? expect_like(dz, "dz", x, "x") : expect_empty(dz, "dz", "when has_z is false"));
-  JO_TRY(expect_f32_vector(dscale, "dscale", l.cols));
-  JO_TRY(expect_f32_vector(dbias, "dbias", l.cols));
-  auto parts = work_parts(work, 2, l);
+  auto parts = work_parts(work, 2, Layout{a.rows, a.cols});
   if (parts.has_error()) return parts.error();
-  return BwdArgs{dy.untyped_data(), x.untyped_data(), static_cast<const uint32_t*>(mask.untyped_data()),
-                 static_cast<const float*>(mean.untyped_data()), static_cast<const float*>(rstd.untyped_data()),
-                 static_cast<const float*>(scale.untyped_data()),
-                 training ? static_cast<const float*>(gmean.untyped_data()) : nullptr,
-                 training ? static_cast<const float*>(gvar.untyped_data()) : nullptr,
-                 dx.untyped_data(), has_z ? dz.untyped_data() : nullptr,
-                 static_cast<float*>(dscale.untyped_data()), static_cast<float*>(dbias.untyped_data()),
-                 static_cast<float*>(work.untyped_data()), parts.value(), l.rows, l.cols, training};
+  a.scale = static_cast<const float*>(scale.untyped_data());
+  a.gmean = training ? static_cast<const float*>(gmean.untyped_data()) : nullptr;
+  a.gvar = training ? static_cast<const float*>(gvar.untyped_data()) : nullptr;
+  a.dx = dx.untyped_data();
+  a.dz = has_z ? dz.untyped_data() : nullptr;
+  a.work = static_cast<float*>(work.untyped_data());
+  a.work_parts = parts.value();
+  a.training = training;
+  return a;
 }
 
 // ------------------------------------------------------------------- CPU ---
@@ -306,31 +326,6 @@ ffi::ErrorOr<FwdArgs> stats_args(ffi::AnyBuffer x, ffi::AnyBuffer mean, ffi::Any
   a.cols = l.cols;
   a.eps = epsilon;
   a.training = true;
-  return a;
-}
-
-// The backward's common operands; dscale/dbias are results (grad_sums) or operands (dx).
-ffi::ErrorOr<BwdArgs> stage_bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::AnyBuffer mean,
-                                     ffi::AnyBuffer rstd, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias) {
-  auto layout = channels_last(x);
-  if (layout.has_error()) return layout.error();
-  const Layout l = layout.value();
-  JO_TRY(expect_like(dy, "dy", x, "x"));
-  JO_TRY(expect_mask(mask, "mask", l.rows * l.cols));
-  JO_TRY(expect_f32_vector(mean, "mean", l.cols));
-  JO_TRY(expect_f32_vector(rstd, "rstd", l.cols));
-  JO_TRY(expect_f32_vector(dscale, "dscale", l.cols));
-  JO_TRY(expect_f32_vector(dbias, "dbias", l.cols));
-  BwdArgs a{};
-  a.dy = dy.untyped_data();
-  a.x = x.untyped_data();
-  a.mask = static_cast<const uint32_t*>(mask.untyped_data());
-  a.mean = static_cast<const float*>(mean.untyped_data());
-  a.rstd = static_cast<const float*>(rstd.untyped_data());
-  a.dscale = static_cast<float*>(dscale.untyped_data());
-  a.dbias = static_cast<float*>(dbias.untyped_data());
-  a.rows = l.rows;
-  a.cols = l.cols;
   return a;
 }
 

@@ -147,51 +147,28 @@ def _fwd_reference(logits, labels, weight, mask, *, label_smoothing, z_loss, wit
     psum/pmax combine per-row partial results over the vocabulary's mesh axes, col0 is
     the global column of this shard's first column and vocab the global V."""
     V = logits.shape[-1] if vocab is None else vocab
-    ls, zl = label_smoothing, z_loss
     z = logits.astype(jnp.float32)
-    keep = None if mask is None else jnp.broadcast_to(mask, z.shape)
+    keep = _kept(z, mask)
     zk = z if keep is None else jnp.where(keep, z, -jnp.inf)
     m = pmax(jnp.max(zk, axis=-1))
     shift = jnp.where(m == -jnp.inf, 0.0, m)
-    e = jnp.exp(zk - shift[..., None])
-    s = psum(jnp.sum(e, axis=-1))
-    live = s > 0  # some kept logit is finite (NaN: live, and NaN throughout)
-    s_safe = jnp.where(live, s, 1.0)  # keeps NaN out of the derivatives of dead rows
-    log_s = jnp.where(live, jnp.log(s_safe), -jnp.inf)
-    lse = shift + log_s
+    s = psum(jnp.sum(jnp.exp(zk - shift[..., None]), axis=-1))
     cols = col0 + jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
     # A select and a row sum, not a gather: fused into the row's reductions, and with the
     # vocabulary sharded the device holding the label's column contributes it.
     z_lab = psum(jnp.sum(jnp.where(cols == labels[..., None], z, 0.0), axis=-1))
     z_lab = jnp.where((labels >= 0) & (labels < V), z_lab, jnp.nan)
-    loss = (shift - z_lab) + log_s
-    n = None
-    if ls > 0.0:
+    n = sum_z = jnp.zeros_like(m)  # only label smoothing reads them
+    if label_smoothing > 0.0:
         if keep is None:
-            n = jnp.float32(V)
+            n = jnp.full_like(m, float(V))
             sum_z = psum(jnp.sum(z, axis=-1))
         else:
             n = psum(jnp.sum(keep, axis=-1, dtype=jnp.float32))
             sum_z = psum(jnp.sum(jnp.where(keep, z, 0.0), axis=-1))
-        mean_z = jnp.where(n > 0, sum_z / jnp.maximum(n, 1.0), 0.0)
-        loss = (1.0 - ls) * loss + ls * ((shift - mean_z) + log_s)
-    if zl > 0.0:
-        loss = loss + zl * lse * lse
-    zero = weight == 0.0
-    out = jnp.where(zero, 0.0, weight * jnp.where(zero, 0.0, loss))
-    dlogits = None
-    if with_grad:
-        p = e / s_safe[..., None]
-        if zl > 0.0:
-            p = p * (1.0 + 2.0 * zl * jnp.where(live, lse, 0.0))[..., None]
-        d = p - jnp.where(cols == labels[..., None], 1.0 - ls, 0.0)
-        if ls > 0.0:
-            step = jnp.where(n > 0, ls / jnp.maximum(n, 1.0), 0.0)
-            d = d - (step[..., None] if keep is None or jnp.ndim(step) == 0 else
-                     jnp.where(keep, step[..., None], 0.0))
-        d = jnp.where(zero[..., None], 0.0, weight[..., None] * d)
-        dlogits = d.astype(logits.dtype)
-    return out, lse, dlogits
+    stats = jnp.stack([m, s, sum_z, n, z_lab], axis=-1)
+    return _finish_reference(logits, labels - col0, mask, weight, stats, label_smoothing, z_loss,
+                             with_grad)
 
 
 def _front(a, d, size):
