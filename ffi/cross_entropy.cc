@@ -117,6 +117,7 @@ ffi::ErrorOr<FwdArgs> partials_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels
   a.cols = rc.value().second;
   JO_TRY(expect_rows(labels, "labels", ffi::DataType::S32, "int32", a.rows));
   JO_TRY(expect_rows(parts, "parts", ffi::DataType::F32, "float32", a.rows * kStatCount));
+  if (a.cols == 0 && a.rows > 0) return invalid("logits need at least one column; got " + shape_dtype_str(logits));
   JO_TRY(mask_args(a, logits, mask, has_mask));
   a.logits = logits.untyped_data();
   a.labels = static_cast<const int32_t*>(labels.untyped_data());

@@ -658,6 +658,17 @@ def test_sharded_equals_unsharded(spec, impl):
         assert (kind == "all-reduce" and all(n <= 32 for n in sizes)) or (
             kind == "all-gather" and impl == "cuda" and all(n <= 5 * 32 * vocab_devices for n in sizes)), (kind, sizes)
     if vocab_devices > 1:
+        # the forward alone (its own branch: statistics merged, no dlogits) with a NaN
+        # logit, no options (label smoothing's Σz would make the row NaN anyway): NaN as on
+        # one device (a shard's max skips the NaN its Σ exp keeps)
+        xn = x.at[0, 1, 5].set(jnp.nan)
+
+        def fwd(x, labels):
+            return ce(x, labels, impl)
+        xns = jax.device_put(xn, NamedSharding(mesh, P(*spec)))
+        np.testing.assert_allclose(np.asarray(jax.jit(fwd)(xns, ls)), np.asarray(jax.jit(fwd)(xn, labels)),
+                                   rtol=2e-6, atol=1e-8)
+        assert np.isnan(np.asarray(jax.jit(fwd)(xns, ls))[0, 1])
         text = jax.jit(f).lower(xs, ls).compile().as_text()
         for target in ("jax_ops_ce_partials", "jax_ops_ce_apply"):
             assert (f'custom_call_target="{target}"' in text) == (impl == "cuda"), target

@@ -255,7 +255,7 @@ def merge_stat_parts(parts, labels, vocab):
         top = jnp.maximum(top, m[i])
     shift = jnp.where(top == -jnp.inf, 0.0, top)
     total = ordered_sum(jnp.where(m == -jnp.inf, s, s * jnp.exp(m - shift)))
-    z_lab = jnp.where(labels < vocab, ordered_sum(z_lab), jnp.nan)
+    z_lab = jnp.where((labels >= 0) & (labels < vocab), ordered_sum(z_lab), jnp.nan)
     return jnp.stack([top, total, ordered_sum(sum_z), ordered_sum(n), z_lab], axis=-1)
 
 
@@ -274,6 +274,9 @@ def _stats_aval(logits):
 
 def _partials_abstract(logits, labels, mask):
     _check_abstract(logits, labels, core.ShapedArray(labels.shape, _F32), mask)
+    if logits.shape[-1] < 1:
+        raise ValueError(f"jax_ops {OP} partials: logits need at least one column; got shape "
+                         f"{tuple(logits.shape)}")
     return (_stats_aval(logits),)
 
 
@@ -310,7 +313,9 @@ def _finish_reference(logits, labels, mask, weight, stats, ls, zl, with_grad=Tru
     formulas of cross_entropy_math.h's finish_row and grad_elem."""
     m, s, sum_z, n, z_lab = (stats[..., i] for i in range(_STATS))
     shift = jnp.where(m == -jnp.inf, 0.0, m)
-    live = s > 0
+    # Dead rows: no kept logit above -inf (s == 0). A NaN sum is live (NaN throughout, as
+    # the kernels give): a shard's max skips a NaN logit that its Σ exp keeps.
+    live = ~(s <= 0)
     s_safe = jnp.where(live, s, 1.0)
     log_s = jnp.where(live, jnp.log(s_safe), -jnp.inf)
     lse = shift + log_s
