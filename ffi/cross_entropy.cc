@@ -57,15 +57,25 @@ ffi::Error mask_args(FwdArgs& a, const ffi::AnyBuffer& logits, const ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
-                               ffi::AnyBuffer mask, ffi::AnyBuffer loss, ffi::AnyBuffer lse, ffi::AnyBuffer dlogits,
-                               float label_smoothing, float z_loss, bool with_grad, bool has_mask) {
+// FwdArgs with the logits' rows and columns and the labels (int32, one per row) checked.
+ffi::ErrorOr<FwdArgs> logits_labels(const ffi::AnyBuffer& logits, const ffi::AnyBuffer& labels) {
   auto rc = rows_cols(logits, "logits");
   if (rc.has_error()) return rc.error();
   FwdArgs a{};
   a.rows = rc.value().first;
   a.cols = rc.value().second;
   JO_TRY(expect_rows(labels, "labels", ffi::DataType::S32, "int32", a.rows));
+  a.logits = logits.untyped_data();
+  a.labels = static_cast<const int32_t*>(labels.untyped_data());
+  return a;
+}
+
+ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer weight,
+                               ffi::AnyBuffer mask, ffi::AnyBuffer loss, ffi::AnyBuffer lse, ffi::AnyBuffer dlogits,
+                               float label_smoothing, float z_loss, bool with_grad, bool has_mask) {
+  auto base = logits_labels(logits, labels);
+  if (base.has_error()) return base.error();
+  FwdArgs a = base.value();
   JO_TRY(expect_rows(weight, "weight", ffi::DataType::F32, "float32", a.rows));
   JO_TRY(expect_rows(loss, "loss", ffi::DataType::F32, "float32", a.rows));
   JO_TRY(expect_rows(lse, "lse", ffi::DataType::F32, "float32", a.rows));
@@ -77,8 +87,6 @@ ffi::ErrorOr<FwdArgs> fwd_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi
   if (!(label_smoothing >= 0.f && label_smoothing <= 1.f))
     return invalid("label_smoothing must be in [0, 1]; got " + std::to_string(label_smoothing));
   if (!(z_loss >= 0.f && std::isfinite(z_loss))) return invalid("z_loss must be finite and >= 0; got " + std::to_string(z_loss));
-  a.logits = logits.untyped_data();
-  a.labels = static_cast<const int32_t*>(labels.untyped_data());
   a.weight = static_cast<const float*>(weight.untyped_data());
   a.loss = static_cast<float*>(loss.untyped_data());
   a.lse = static_cast<float*>(lse.untyped_data());
@@ -110,17 +118,12 @@ ffi::ErrorOr<BwdArgs> bwd_args(ffi::AnyBuffer in, ffi::AnyBuffer g, ffi::AnyBuff
 //     attrs label_smoothing, z_loss, has_mask; stats: the whole rows' statistics
 ffi::ErrorOr<FwdArgs> partials_args(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi::AnyBuffer mask,
                                     ffi::AnyBuffer parts, bool has_mask) {
-  auto rc = rows_cols(logits, "logits");
-  if (rc.has_error()) return rc.error();
-  FwdArgs a{};
-  a.rows = rc.value().first;
-  a.cols = rc.value().second;
-  JO_TRY(expect_rows(labels, "labels", ffi::DataType::S32, "int32", a.rows));
+  auto base = logits_labels(logits, labels);
+  if (base.has_error()) return base.error();
+  FwdArgs a = base.value();
   JO_TRY(expect_rows(parts, "parts", ffi::DataType::F32, "float32", a.rows * kStatCount));
   if (a.cols == 0 && a.rows > 0) return invalid("logits need at least one column; got " + shape_dtype_str(logits));
   JO_TRY(mask_args(a, logits, mask, has_mask));
-  a.logits = logits.untyped_data();
-  a.labels = static_cast<const int32_t*>(labels.untyped_data());
   a.parts = static_cast<float*>(parts.untyped_data());
   return a;
 }

@@ -226,12 +226,7 @@ def _stats_reference(x, *, epsilon):
 
 def _stage_bwd_check(stage, dy, x, mask, **chans):
     check_x(stage, x, min_rank=1, rank_rule="a channels axis (channels last)")
-    if dy.shape != x.shape or dy.dtype != x.dtype:
-        raise ValueError(f"jax_ops {stage}: dy must match x; got dy {dy.shape} {_fmt_dtype(dy.dtype)} "
-                         f"and x {x.shape} {_fmt_dtype(x.dtype)}")
-    if tuple(mask.shape) != mask_shape(x.shape) or mask.dtype != MASK_DTYPE:
-        raise ValueError(f"jax_ops {stage}: mask must be uint32 of shape {mask_shape(x.shape)}; got "
-                         f"{mask.shape} {_fmt_dtype(mask.dtype)}")
+    _check_dy_mask(f"jax_ops {stage}", dy, x, mask)
     for name, a in chans.items():
         if tuple(a.shape) != (x.shape[-1],) or a.dtype != _F32:
             raise ValueError(f"jax_ops {stage}: {name} must be float32 of shape ({x.shape[-1]},) "
@@ -301,15 +296,20 @@ _STAGE_KERNELS = {
 
 # --------------------------------------------------------------- backward ---
 
+def _check_dy_mask(prefix, dy, x, mask):
+    """dy like x, and the mask of x's shape (prefix: "jax_ops.<op> backward" or a stage's)."""
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"{prefix}: dy must match x; got dy {dy.shape} "
+                         f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
+    if tuple(mask.shape) != mask_shape(x.shape) or mask.dtype != MASK_DTYPE:
+        raise ValueError(f"{prefix}: mask must be uint32 of shape "
+                         f"{mask_shape(x.shape)}; got {mask.shape} {_fmt_dtype(mask.dtype)}")
+
+
 def _bwd_abstract(dy, x, mask, mean, rstd, scale, gmean, gvar, *, training, has_z):
     op = _op_name(has_z)
     c = x.shape[-1]
-    if dy.shape != x.shape or dy.dtype != x.dtype:
-        raise ValueError(f"jax_ops.{op} backward: dy must match x; got dy {dy.shape} "
-                         f"{_fmt_dtype(dy.dtype)} and x {x.shape} {_fmt_dtype(x.dtype)}")
-    if tuple(mask.shape) != mask_shape(x.shape) or mask.dtype != MASK_DTYPE:
-        raise ValueError(f"jax_ops.{op} backward: mask must be uint32 of shape "
-                         f"{mask_shape(x.shape)}; got {mask.shape} {_fmt_dtype(mask.dtype)}")
+    _check_dy_mask(f"jax_ops.{op} backward", dy, x, mask)
     if not training and (gmean is not None or gvar is not None):
         raise ValueError(f"jax_ops.{op} backward: gmean/gvar (the cotangents of the batch "
                          f"statistics) are bound in training only")
