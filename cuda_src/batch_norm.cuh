@@ -397,7 +397,7 @@ cudaError_t plan_columns(Kernel kernel, int floats_per_thread, int64_t rows, int
   const int threads = g->tx * g->ty;
   *smem = size_t(floats_per_thread) * threads * sizeof(float);
   int per_sm = 0;
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, *smem);
+  cudaError_t err = max_blocks_per_sm(kernel, threads, *smem, &per_sm);
   if (err != cudaSuccess) return err;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;
   if (per_sm > kColBlocksPerSm) per_sm = kColBlocksPerSm;

@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -41,26 +42,99 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
-// Number of multiprocessors of the current device, cached per device.
-inline int sm_count() {
-  static std::mutex mu;
-  static int counts[64] = {0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 132;
-  std::lock_guard<std::mutex> lock(mu);
-  if (counts[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) n = 132;
-    counts[dev] = n;
+// Host-side launch queries (occupancy, function and device attributes) cost up to
+// microseconds each, and a jitted step calls our handlers hundreds of times with the same
+// few kernels and shapes: on a host-bound step (XLA launching thunk by thunk) that time is
+// the step's. Their answers are cached per device; only successful answers are kept.
+struct LaunchQuery {
+  int dev, kind, threads;
+  const void* fn;
+  size_t smem;
+  bool operator<(const LaunchQuery& o) const {
+    if (dev != o.dev) return dev < o.dev;
+    if (kind != o.kind) return kind < o.kind;
+    if (threads != o.threads) return threads < o.threads;
+    if (fn != o.fn) return fn < o.fn;
+    return smem < o.smem;
   }
-  return counts[dev];
+};
+
+enum LaunchQueryKind { kQuerySmCount, kQueryMaxSmem, kQueryCcMajor, kQueryBlocksPerSm, kQueryClusters,
+                       kQueryStaticSmem, kQueryBinaryVersion, kQuerySmemOptIn };
+
+struct LaunchQueryCache {
+  std::mutex mu;
+  std::map<LaunchQuery, int> answers;
+};
+
+inline LaunchQueryCache& launch_query_cache() {
+  static LaunchQueryCache cache;  // one per process: an inline function's static
+  return cache;
 }
 
+// The cached value of `query`, computing it with `compute(int*)` on a miss.
+template <typename Compute>
+cudaError_t cached_launch_query(LaunchQuery query, int* value, Compute&& compute) {
+  std::mutex& mu = launch_query_cache().mu;
+  std::map<LaunchQuery, int>& answers = launch_query_cache().answers;
+  if (cudaGetDevice(&query.dev) != cudaSuccess) {
+    cudaGetLastError();
+    query.dev = -1;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = answers.find(query);
+    if (it != answers.end()) {
+      *value = it->second;
+      return cudaSuccess;
+    }
+  }
+  const cudaError_t err = compute(value);
+  if (err == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(mu);
+    answers[query] = *value;
+  }
+  return err;
+}
+
+inline int device_attribute(cudaDeviceAttr attr, LaunchQueryKind kind, int fallback) {
+  int v = 0;
+  const cudaError_t err = cached_launch_query({0, kind, 0, nullptr, 0}, &v, [&](int* out) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(out, attr, dev);
+    return e;
+  });
+  if (err != cudaSuccess) cudaGetLastError();
+  return err == cudaSuccess && v > 0 ? v : fallback;
+}
+
+// Number of multiprocessors of the current device.
+inline int sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, kQuerySmCount, 132); }
+
 inline int max_smem_per_block() {
-  int dev = 0, v = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 48 * 1024;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return 48 * 1024;
-  return v;
+  return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, kQueryMaxSmem, 48 * 1024);
+}
+
+template <typename Kernel>
+cudaError_t max_blocks_per_sm(Kernel kernel, int threads, size_t smem, int* per_sm) {
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  return cached_launch_query({0, kQueryBlocksPerSm, threads, fn, smem}, per_sm, [&](int* out) {
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem);
+    return err == cudaSuccess && *out < 1 ? cudaErrorInvalidConfiguration : err;
+  });
+}
+
+// The kernel's static shared memory (kind kQueryStaticSmem) or binary version.
+template <typename Kernel>
+cudaError_t kernel_attribute(Kernel kernel, LaunchQueryKind kind, int* value) {
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  return cached_launch_query({0, kind, 0, fn, 0}, value, [&](int* out) {
+    cudaFuncAttributes fa;
+    const cudaError_t err = cudaFuncGetAttributes(&fa, kernel);
+    if (err == cudaSuccess) *out = kind == kQueryStaticSmem ? int(fa.sharedSizeBytes) : fa.binaryVersion;
+    return err;
+  });
 }
 
 // Blocks for a persistent grid: as many as can be resident at once (capped by
@@ -68,7 +142,7 @@ inline int max_smem_per_block() {
 template <typename Kernel>
 cudaError_t resident_blocks(Kernel kernel, int threads, size_t smem, int64_t work_blocks, int* blocks) {
   int per_sm = 0;
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  cudaError_t err = max_blocks_per_sm(kernel, threads, smem, &per_sm);
   if (err != cudaSuccess) return err;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;
   const int64_t resident = int64_t(per_sm) * sm_count();
@@ -82,10 +156,17 @@ inline bool aligned_to(const void* p, size_t bytes) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
+// Opt the kernel in to `smem` dynamic bytes (per device; the cache keeps the sizes set).
 template <typename Kernel>
 cudaError_t allow_smem(Kernel kernel, size_t smem) {
   if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  int set = 0;
+  return cached_launch_query({0, kQuerySmemOptIn, 0, reinterpret_cast<const void*>(kernel), smem}, &set,
+                             [&](int* out) {
+                               *out = 1;
+                               return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                           int(smem));
+                             });
 }
 
 // Whether a shared-memory-caching kernel can run with `smem` dynamic bytes (its static
@@ -94,9 +175,9 @@ cudaError_t allow_smem(Kernel kernel, size_t smem) {
 // the uncached kernel.
 template <typename Kernel>
 bool cached_grid(Kernel kernel, int threads, size_t smem, int64_t work_blocks, int* blocks) {
-  cudaFuncAttributes fa;
-  if (cudaFuncGetAttributes(&fa, kernel) != cudaSuccess ||
-      smem + fa.sharedSizeBytes > size_t(max_smem_per_block()) ||
+  int static_smem = 0;
+  if (kernel_attribute(kernel, kQueryStaticSmem, &static_smem) != cudaSuccess ||
+      smem + size_t(static_smem) > size_t(max_smem_per_block()) ||
       allow_smem(kernel, smem) != cudaSuccess ||
       resident_blocks(kernel, threads, smem, work_blocks, blocks) != cudaSuccess) {
     cudaGetLastError();
@@ -188,16 +269,13 @@ constexpr int kMaxClusterBlocks = 8;
 // capability 9.0 or later and the kernel's machine code built for it.
 template <typename Kernel>
 bool clusters_supported(Kernel kernel) {
-  int dev = 0, major = 0;
-  cudaFuncAttributes fa;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaFuncGetAttributes(&fa, kernel) != cudaSuccess) {
+  int version = 0;
+  const int major = device_attribute(cudaDevAttrComputeCapabilityMajor, kQueryCcMajor, 0);
+  if (kernel_attribute(kernel, kQueryBinaryVersion, &version) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
-  cudaGetLastError();
-  return major >= 9 && fa.binaryVersion >= 90;
+  return major >= 9 && version >= 90;
 }
 
 inline cudaLaunchConfig_t cluster_config(cudaLaunchAttribute* attr, int cs, int threads, int64_t clusters,
@@ -223,7 +301,9 @@ cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t 
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, 1, nullptr);
   int resident = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+  const cudaError_t err = cached_launch_query(
+      {0, kQueryClusters, threads, reinterpret_cast<const void*>(kernel), size_t(cs)}, &resident,
+      [&](int* out) { return cudaOccupancyMaxActiveClusters(out, kernel, &cfg); });
   cudaGetLastError();  // the query's own error is returned, not left for a later check
   if (err != cudaSuccess) return err;
   if (resident < 1) return cudaErrorInvalidConfiguration;

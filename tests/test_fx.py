@@ -459,7 +459,45 @@ def test_profile_on_cpu():
     assert any(r.kind == "matmul" and "test_fx.py:" in r.location for r in prof.rows)
     assert abs(sum(r.percent for r in prof.rows) - 100.0) < 1e-6
     assert [r.time_us for r in prof.rows] == sorted((r.time_us for r in prof.rows), reverse=True)
-    assert "time_us" in str(prof)
+    assert "time_us" in str(prof) and "GB/s" in str(prof)
+    # bytes: every equation's array inputs and outputs once; the first Dense's dot_general
+    # reads x (64, 8) and its kernel (8, h) and writes (64, h), float32
+    h = params["params"]["Dense_0"]["kernel"].shape[1]
+    dots = [r for r in prof.rows if r.kind == "matmul"]
+    assert any(r.bytes == 4 * (64 * 8 + 8 * h + 64 * h) for r in dots), [(r.location, r.bytes) for r in dots]
+    assert all(r.bytes > 0 and r.gbps > 0 for r in dots)
+
+
+def test_profile_kernel_kinds():
+    from jax_ops.fx.profile import _kernel_kind
+    assert _kernel_kind("loop_convert_fusion", "loop_convert_fusion.3", "jit(f)/convert_element_type") == "fusion"
+    assert _kernel_kind("sm90_xmma_fprop_implicit_gemm_bf16", "cudnn-conv.5", "") == "conv"
+    assert _kernel_kind("sm90_xmma_gemm_bf16bf16", "custom-call.2", "jit(f)/dot_general") == "matmul"
+    assert _kernel_kind("nhwcAddPaddingKernel", "cudnn-conv.53", "jit(f)/conv_general_dilated") == "conv"
+    assert _kernel_kind("input_reduce_fusion_3", "input_reduce_fusion.3", "") == "reduction fusion"
+
+
+def test_profile_bytes_of_hlo_instructions():
+    # The GPU rows' bytes are their HLO instructions' operands and results, once each.
+    from jax_ops.fx.profile import hlo_metadata, instruction_bytes
+    rhs = ("bf16[64,56,56,256]{3,2,1,0} fusion(bf16[64,56,56,256]{3,2,1,0} %p0, f32[256]{0} %p1, "
+           "pred[]{:T(256)} %c), kind=kLoop, calls=%fused_computation.3, metadata={op_name=\"a[1]\"}")
+    act = 64 * 56 * 56 * 256 * 2
+    assert instruction_bytes(rhs) == 2 * act + 256 * 4 + 1
+    rhs = ("(bf16[8,16]{1,0}, f32[16]{0}, u8[4096]{0}) custom-call(bf16[8,16]{1,0} %x, s32[8]{0} %l), "
+           "custom_call_target=\"jax_ops_x\", backend_config={\"f32[99]\": 1}")
+    assert instruction_bytes(rhs) == 8 * 16 * 2 + 16 * 4 + 4096 + 8 * 16 * 2 + 8 * 4
+    assert instruction_bytes("f32[] constant(1)") == 4
+    # operands printed by name only (newer XLA): their definitions' result bytes
+    assert instruction_bytes("f32[8,32]{1,0} fusion(%x.1, %w.1), kind=kCustom, calls=%c",
+                             {"x.1": 512, "w.1": 2048, "c": 7}) == 1024 + 512 + 2048
+
+    def f(x, w):
+        return jnp.sin(x @ w) * 2
+    text = jax.jit(f).lower(jnp.ones((8, 16)), jnp.ones((16, 32))).compile().as_text()
+    meta, _ = hlo_metadata(text)
+    # some instruction reads both operands and writes the product (the dot, or a fusion of it)
+    assert any(m["bytes"] >= 4 * (8 * 16 + 16 * 32 + 8 * 32) for m in meta.values()), meta
 
 
 def test_rewrites_inside_cond_and_while_bodies():
@@ -650,6 +688,10 @@ def test_profile_rows_from_trace_events():
     assert rows["model.py:7"].time_us == pytest.approx(5.0) and rows["model.py:7"].count == 2
     assert rows["model.py:7"].kind.startswith("jax_ops")
     assert rows["model.py:9"].time_us == pytest.approx(2.0)
+    assert rows["model.py:9"].bytes == 0  # no bytes known for the instruction
+    meta["custom-call.3"]["bytes"] = 10_000_000  # once per instruction, however many kernels and runs
+    rows = {r.location: r for r in prof_mod.rows_from_trace(events, meta, repeat=2)}
+    assert rows["model.py:7"].bytes == 10_000_000 and rows["model.py:7"].gbps == pytest.approx(2000.0)
     assert prof_mod.rows_from_trace(events[3:4], meta, 1) is None  # no tags: CUPTI fallback
 
 

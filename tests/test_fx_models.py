@@ -148,7 +148,7 @@ def test_hf_resnet_training_and_inference():
         return model(x, params={"params": params, "batch_stats": stats}, train=False).logits
 
     counts, recs = _replaced(train, params, stats, x)
-    assert sum(counts.values()) > 0, recs
+    assert sum(counts.values()) > 0 and counts["max_pool"] == 1, recs  # the embedder's pool
     fast = jax_ops.optimize(train, policy="always")
     (l1, s1), g1 = jax.value_and_grad(fast, has_aux=True)(params, stats, x)
     (l2, s2), g2 = jax.value_and_grad(train, has_aux=True)(params, stats, x)
@@ -176,6 +176,7 @@ def test_haiku_resnet_and_mlp():
 
     counts, recs = _replaced(train, params, state, x)
     assert counts["add_relu"] >= 8, recs  # the blocks' relu(bn(conv) + shortcut)
+    assert counts["max_pool"] == 1, recs  # the stem's hk.max_pool
     fast = jax_ops.optimize(train, policy="always")
     (l1, s1), g1 = jax.value_and_grad(fast, has_aux=True)(params, state, x)
     (l2, s2), g2 = jax.value_and_grad(train, has_aux=True)(params, state, x)

@@ -15,6 +15,7 @@ mapped by kernel name, and custom calls' kernels by program order (best effort).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections import defaultdict
@@ -33,6 +34,12 @@ class Row:
     percent: float = 0.0
     name: str = ""     # primitive / kernel name(s)
     module: str = ""   # Flax module path / name stack
+    bytes: int = 0     # operands + results of the row's equations / HLO instructions, once each
+
+    @property
+    def gbps(self) -> float:
+        """bytes / time: the rate at which the row moves its minimum bytes (0 if unknown)."""
+        return self.bytes / (self.time_us * 1e3) if self.time_us > 0 and self.bytes else 0.0
 
 
 class Profile:
@@ -46,9 +53,10 @@ class Profile:
         self.method = method
 
     def __str__(self):
-        header = ("time_us", "percent", "count", "kind", "location", "module", "name")
-        rows = [(f"{r.time_us:.1f}", f"{r.percent:.1f}%", r.count, r.kind, r.location, r.module,
-                 r.name[:50]) for r in self.rows]
+        header = ("time_us", "percent", "count", "kind", "MB", "GB/s", "location", "module", "name")
+        rows = [(f"{r.time_us:.1f}", f"{r.percent:.1f}%", r.count, r.kind,
+                 f"{r.bytes / 1e6:.1f}" if r.bytes else "", f"{r.gbps:.0f}" if r.bytes else "",
+                 r.location, r.module, r.name[:50]) for r in self.rows]
         return (f"jax_ops.fx.profile ({self.method}): total {self.total_us:.1f} us\n"
                 + _table(header, rows))
 
@@ -81,6 +89,24 @@ def kind_of_primitive(node: Node) -> str:
                 "slice", "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "pad"):
         return "data movement"
     return name
+
+
+def _aval_bytes(avals) -> int:
+    n = 0
+    for a in avals:
+        shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+        if shape is not None and dtype is not None:
+            try:
+                n += math.prod(shape) * jax.numpy.dtype(dtype).itemsize
+            except TypeError:  # extended dtypes (PRNG keys ...): no plain size
+                pass
+    return n
+
+
+def node_bytes(node: Node) -> int:
+    """The bytes an equation must move at least: its array inputs and outputs, once each."""
+    ins = [getattr(a, "aval", None) for a in node.inputs if not isinstance(a, Literal)]
+    return _aval_bytes(ins) + _aval_bytes([getattr(o, "aval", None) for o in node.outputs])
 
 
 def _block(x):
@@ -124,15 +150,16 @@ def _cpu_profile(fn, args, kwargs, descend: bool, repeat: int) -> Profile:
         _run_nodes(graph, flat, times, descend)
         for i, (node, dt) in enumerate(times):
             best[i] = (node, min(dt, best[i][1]) if i in best else dt)
-    groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
+    groups: dict = defaultdict(lambda: [0, 0.0, set(), 0])
     for node, dt in best.values():
         key = (node.location, kind_of_primitive(node), node.module_path)
         g = groups[key]
         g[0] += 1
         g[1] += dt * 1e6
         g[2].add(node.name)
-    rows = [Row(loc, kind, c, us, name=",".join(sorted(names)), module=mod)
-            for (loc, kind, mod), (c, us, names, _) in groups.items()]
+        g[3] += node_bytes(node)
+    rows = [Row(loc, kind, c, us, name=",".join(sorted(names)), module=mod, bytes=nbytes)
+            for (loc, kind, mod), (c, us, names, nbytes) in groups.items()]
     return Profile(rows, sum(r.time_us for r in rows),
                    f"per-equation wall clock on {jax.default_backend()}, min of {repeat}")
 
@@ -142,6 +169,39 @@ def _cpu_profile(fn, args, kwargs, descend: bool, repeat: int) -> Profile:
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _META = re.compile(r'metadata=\{([^}]*)\}')
 _FIELD = re.compile(r'(\w+)="?([^" ]*)"?')
+
+
+_HLO_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
+_HLO_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+def _shape_bytes(text: str) -> int:
+    n = 0
+    for dtype, dims in _HLO_SHAPE.findall(text):
+        bits = _HLO_BITS.get(dtype) or (8 if dtype.startswith("f8") else int(dtype[1:]))
+        n += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return n
+
+
+def instruction_bytes(rhs: str, result_bytes: dict | None = None) -> int:
+    """Operand + result bytes of an HLO instruction from its printed right-hand side
+    ("bf16[8,16]{1,0} fusion(bf16[8,16]{1,0} %p, f32[16]{0} %q), kind=..."; operands
+    printed without shapes are looked up by name in `result_bytes`): the bytes its
+    kernels must move at least, each array once."""
+    m = re.search(r"\s([a-z][\w\-]*)\(", rhs)
+    if not m:
+        return _shape_bytes(rhs.split(",")[0])
+    depth, end = 0, len(rhs)
+    for i in range(m.end() - 1, len(rhs)):
+        depth += {"(": 1, ")": -1}.get(rhs[i], 0)
+        if depth == 0:
+            end = i
+            break
+    operands = rhs[m.end():end]
+    read = _shape_bytes(operands)
+    if not read and result_bytes:
+        read = sum(result_bytes.get(name, 0) for name in re.findall(r"%([\w.\-]+)", operands))
+    return _shape_bytes(rhs[:m.start()]) + read
 
 
 _SECTION_ROW = re.compile(r'^(\d+)\s+(?:"(.*)"|\{(.*)\})\s*$')
@@ -191,10 +251,12 @@ def hlo_metadata(hlo_text: str) -> tuple[dict, list]:
     instructions in program order (the scheduled entry computation's order))."""
     out, custom_calls = {}, []
     tables = _stack_tables(hlo_text)
-    for line in hlo_text.splitlines():
-        m = _HLO_INSTR.match(line)
-        if not m:
-            continue
+    instrs = [m for m in map(_HLO_INSTR.match, hlo_text.splitlines()) if m]
+    result_bytes = {}  # instruction -> its result's bytes (operands may be printed by name only)
+    for m in instrs:
+        op = re.search(r"\s([a-z][\w\-]*)\(", m.group(2))
+        result_bytes[m.group(1)] = _shape_bytes(m.group(2)[:op.start()] if op else m.group(2).split(",")[0])
+    for m in instrs:
         meta = _META.search(m.group(2))
         fields = dict(_FIELD.findall(meta.group(1))) if meta else {}
         if "source_file" in fields:
@@ -207,6 +269,7 @@ def hlo_metadata(hlo_text: str) -> tuple[dict, list]:
         if target:
             fields["custom_call_target"] = target.group(1)
             custom_calls.append(m.group(1))
+        fields["bytes"] = instruction_bytes(m.group(2), result_bytes)
         out[m.group(1)] = fields
     return out, custom_calls
 
@@ -216,9 +279,11 @@ def _kernel_kind(kernel: str, instr: str | None, op_name: str, target: str = "")
     if "jax_ops" in k or "jax_ops" in op_name:
         m = re.search(r"jax_ops[_:]+(\w+)", kernel + " " + op_name)
         return f"jax_ops {m.group(1)}" if m else "jax_ops"
+    if (instr or "").startswith("cudnn-conv") or "conv_general_dilated" in op_name:
+        return "conv"  # cuDNN's convolution kernels are implicit GEMMs: named like matmuls
     if any(s in k for s in ("gemm", "xmma", "cutlass", "cublas", "matmul", "dot")):
         return "matmul"
-    if "conv" in k:
+    if re.search(r"conv(?!ert)", k):  # a convolution, not a convert_element_type fusion
         return "conv"
     if "reduce" in k or "reduction" in k:
         return "reduction fusion"
@@ -243,7 +308,7 @@ def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
     tags each kernel it launches with the HLO instruction (stat "hlo_op"), custom
     calls' library and FFI kernels included, so the attribution is exact. None when
     no event carries the tag (then the CUPTI mapping by name and order is used)."""
-    groups: dict = defaultdict(lambda: [0, 0.0, set()])
+    groups: dict = defaultdict(lambda: [0, 0.0, set(), set()])
     tagged = False
     for kernel, ns, stats in events:
         instr = stats.get("hlo_op")
@@ -258,10 +323,12 @@ def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
         g[0] += 1
         g[1] += ns / 1e3
         g[2].add(kernel)
+        g[3].add(instr)
     if not tagged:
         return None
-    return [Row(loc, kind, max(1, round(c / repeat)), us / repeat, name=",".join(sorted(n)), module=op)
-            for (loc, kind, op), (c, us, n) in groups.items()]
+    return [Row(loc, kind, max(1, round(c / repeat)), us / repeat, name=",".join(sorted(n)), module=op,
+                bytes=sum(meta.get(i, {}).get("bytes", 0) for i in instrs))
+            for (loc, kind, op), (c, us, n, instrs) in groups.items()]
 
 
 def _trace_events(compiled, args, kwargs, repeat: int, module: str) -> list:
@@ -365,7 +432,7 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
         if instr is None:
             near = [instrs[j] for j in (i - 1, i + 1) if 0 <= j < len(instrs) and instrs[j]]
             instrs[i] = near[0] if near else None
-    groups: dict = defaultdict(lambda: [0, 0.0, set(), ""])
+    groups: dict = defaultdict(lambda: [0, 0.0, set(), set()])
     for (kernel, ms), instr in zip(run, instrs):
         fields = meta.get(instr, {}) if instr else {}
         loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
@@ -376,14 +443,18 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
         g[0] += 1
         g[1] += ms * 1e3
         g[2].add(kernel)
-    rows = [Row(loc, kind, c, us, name=",".join(sorted(n)), module=op)
-            for (loc, kind, op), (c, us, n, _) in groups.items()]
+        if instr:
+            g[3].add(instr)
+    rows = [Row(loc, kind, c, us, name=",".join(sorted(n)), module=op,
+                bytes=sum(meta.get(i, {}).get("bytes", 0) for i in named))
+            for (loc, kind, op), (c, us, n, named) in groups.items()]
     return Profile(rows, sum(r.time_us for r in rows), f"CUPTI kernel times, best of {repeat}")
 
 
 def profile(fn, *args, descend: bool = False, repeat: int = 3, **kwargs) -> Profile:
     """Where the time of fn(*args, **kwargs) goes: rows with location, kind, count,
-    time_us and percent, sorted by time. On GPU: CUPTI per-kernel times of the
+    time_us, percent, bytes (operands + results of the row's equations or HLO
+    instructions, each once: the minimum they move) and gbps, sorted by time. On GPU: CUPTI per-kernel times of the
     compiled function mapped to HLO source metadata; elsewhere: per-equation wall
     clock of an eager run (descend=True times the bodies of jit calls equation by
     equation instead of as one row)."""

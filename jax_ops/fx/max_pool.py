@@ -1,0 +1,175 @@
+"""max_pool: a max pooling window (flax.linen.max_pool, lax.reduce_window with lax.max
+and a -inf init: the `reduce_window_max` primitive) whose gradient XLA computes with
+select_and_scatter, replaced by the same forward plus a backward without it.
+
+XLA's gradient of reduce_window_max re-reads the input x to find each window's maximum
+again and scatters dy into it (select_and_scatter: 380 µs for ResNet-50's stem pool at
+batch 64 on the H100, ~0.6 TB/s). The replacement's forward also records, per output,
+which window position was selected (uint8, in the same pass as the maximum), and its
+backward adds, for each window offset k, dy where the index is k, placed at the inputs
+of that offset (an interior-padded copy): one elementwise fusion reading dy and the
+index, writing dx; x is no longer kept for the backward.
+
+Selection rule (XLA's select_and_scatter with jax's ge): a window's first position in
+row-major window order, replaced by each later v where not (selected >= v): the first
+maximum; padding positions are candidates holding -inf (their gradient is dropped). Without differentiation
+the forward is the original reduce_window_max, so inference is unchanged. The
+replacement is XLA code, not one of our ops; policy="auto" replaces it on GPU only,
+where the gradient was measured faster (`_decide`).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_ops.core.pattern import F32, BF16, Formulation, Pattern, sds
+
+#: the equation whose params (window, strides, padding, dilations) the formulation and
+#: the replacement take from the graph
+POOL = "reduce_window_max"
+MAX_WINDOW = 255  # positions a uint8 index can name
+
+
+def _pool_params(params):
+    """The graph's reduce_window_max params, or a 3x3 stride-2 padded NHWC pool for the
+    templates (only the structure matters there)."""
+    if params is None:
+        return dict(window_dimensions=(1, 3, 3, 1), window_strides=(1, 2, 2, 1),
+                    padding=((0, 0), (1, 1), (1, 1), (0, 0)), base_dilation=(1, 1, 1, 1),
+                    window_dilation=(1, 1, 1, 1))
+    return dict(params)
+
+
+def _reduce_window_max(x, p):
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, p["window_dimensions"],
+                                 p["window_strides"], p["padding"], p["base_dilation"],
+                                 p["window_dilation"])
+
+
+def _flax_max_pool(x, *, reduce_window_max):
+    """flax.linen.max_pool / lax.reduce_window(x, -inf, lax.max, ...)."""
+    return _reduce_window_max(x, _pool_params(reduce_window_max))
+
+
+def _out_shape(shape, p):
+    return [(n + lo + hi - w) // s + 1 for n, (lo, hi), w, s in
+            zip(shape, p["padding"], p["window_dimensions"], p["window_strides"])]
+
+
+def _window_views(x, p):
+    """One view per window position, in row-major order: view[o] = x_padded[o * stride +
+    offset], of the output's shape (padding is -inf, reduce_window's init)."""
+    window, strides, padding = p["window_dimensions"], p["window_strides"], p["padding"]
+    xp = jax.lax.pad(x, jnp.array(-jnp.inf, x.dtype), [(lo, hi, 0) for lo, hi in padding])
+    out = _out_shape(x.shape, p)
+    for offset in itertools.product(*(range(w) for w in window)):
+        limit = [o + (m - 1) * s + 1 for o, m, s in zip(offset, out, strides)]
+        yield jax.lax.slice(xp, offset, limit, strides)
+
+
+def _pool_with_index(x, p):
+    """The maximum (reduce_window's value: NaN propagates as lax.max does) and the
+    selected window position: XLA's select_and_scatter rule with jax's ge, i.e. the
+    first position in window order, replaced by each later v where not (selected >= v).
+    Padding positions are candidates holding -inf (a window whose inputs are all -inf
+    and whose padding comes first selects the padding: no input gets its gradient)."""
+    y = best = idx = None
+    for k, v in enumerate(_window_views(x, p)):
+        if y is None:
+            y = best = v
+            idx = jnp.zeros(v.shape, jnp.uint8)
+            continue
+        take = ~(best >= v)
+        best = jnp.where(take, v, best)
+        idx = jnp.where(take, jnp.uint8(k), idx)
+        y = jax.lax.max(y, v)
+    return y, idx
+
+
+def _scatter_grad(dy, idx, p, shape):
+    """dx = Σ_k (dy where idx == k) at the inputs of window offset k (padding dropped)."""
+    window, strides, padding = p["window_dimensions"], p["window_strides"], p["padding"]
+    dx = None
+    zero = jnp.zeros((), jnp.float32)  # an input in several windows sums in float32, rounded once
+    for k, offset in enumerate(itertools.product(*(range(w) for w in window))):
+        g = jnp.where(idx == k, dy.astype(jnp.float32), zero)
+        # g[o] goes to x[o * stride + offset - lo]: edge padding (negative where the
+        # offset lands in the padding) and stride - 1 interior
+        config = []
+        for n, m, (lo, _), s, off in zip(shape, dy.shape, padding, strides, offset):
+            low = off - lo
+            config.append((low, n - (low + (m - 1) * s + 1), s - 1))
+        part = jax.lax.pad(g, zero, config)
+        dx = part if dx is None else dx + part
+    return dx.astype(dy.dtype)
+
+
+def _freeze(v):
+    return tuple(_freeze(e) for e in v) if isinstance(v, (tuple, list)) else v
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _max_pool(x, pool):
+    return _reduce_window_max(x, dict(pool))
+
+
+def _max_pool_fwd(x, pool):
+    return _pool_with_index(x, dict(pool))
+
+
+def _max_pool_bwd(pool, idx, dy):
+    p = dict(pool)
+    return (_scatter_grad(dy, idx, p, p["input_shape"]),)
+
+
+_max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
+
+
+def max_pool_replacement(x, *, reduce_window_max, **_):
+    """reduce_window_max(x) whose gradient keeps the window index instead of x."""
+    p = _pool_params(reduce_window_max)
+    p["input_shape"] = tuple(x.shape)
+    return _max_pool(x, tuple(sorted((k, _freeze(v)) for k, v in p.items())))
+
+
+def _examples():
+    return [(sds((2, 9, 9, 4), d),) for d in (F32, BF16)]
+
+
+def _accepts(avals):
+    x = avals[0]
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return f"x is {x.dtype}"
+    return None
+
+
+def _specialize(args, avals, params):
+    p = _pool_params(params.get(POOL))
+    if any(d != 1 for d in (*p["base_dilation"], *p["window_dilation"])):
+        return "dilated pooling window (base or window dilation != 1)"
+    size = math.prod(p["window_dimensions"])
+    if size > MAX_WINDOW:
+        return f"a window of {size} positions (at most {MAX_WINDOW})"
+    if any(n + lo + hi < w for n, (lo, hi), w in zip(avals[0].shape, p["padding"], p["window_dimensions"])):
+        return "a window larger than the padded input"
+    return {}
+
+
+def _decide(avals, params):
+    """policy="auto": select_and_scatter is the slow part on GPU; elsewhere keep XLA's."""
+    if jax.default_backend() != "gpu":
+        return f"not faster on {jax.default_backend()}: the replacement targets XLA's GPU select_and_scatter"
+    return None
+
+
+def patterns() -> list[Pattern]:
+    return [Pattern("max_pool",
+                    [Formulation(_flax_max_pool, label="flax.linen.max_pool / lax.reduce_window(max)",
+                                 node_params=(POOL,))],
+                    max_pool_replacement, _examples(), accepts=_accepts, specialize=_specialize,
+                    decide=_decide,
+                    note="max pooling whose gradient skips select_and_scatter (the window index kept)")]
