@@ -1,21 +1,22 @@
 """max_pool: a max pooling window (flax.linen.max_pool, lax.reduce_window with lax.max
 and a -inf init: the `reduce_window_max` primitive) whose gradient XLA computes with
-select_and_scatter, replaced by the same forward plus a backward without it.
+select_and_scatter, replaced by the same forward and a gradient without it.
 
 XLA's gradient of reduce_window_max re-reads the input x to find each window's maximum
-again and scatters dy into it (select_and_scatter: 380 µs for ResNet-50's stem pool at
-batch 64 on the H100, ~0.6 TB/s). The replacement's forward also records, per output,
-which window position was selected (uint8, in the same pass as the maximum), and its
-backward adds, for each window offset k, dy where the index is k, placed at the inputs
-of that offset (an interior-padded copy): one elementwise fusion reading dy and the
-index, writing dx; x is no longer kept for the backward.
+again and scatters dy into it (select_and_scatter: 380 µs, 1.17 TB/s over its 444 MB
+for ResNet-50's stem pool at batch 64 on the H100). The replacement, a custom_jvp,
+records per output which window position was selected (uint8, in the same pass as the
+maximum) and takes the tangent there; reverse mode transposes that into: for each
+window offset k, dy where the index is k, placed at the inputs of that offset (an
+interior-padded copy), summed. The backward reads dy and the index and writes dx; x is
+no longer kept for it.
 
 Selection rule (XLA's select_and_scatter with jax's ge): a window's first position in
 row-major window order, replaced by each later v where not (selected >= v): the first
-maximum; padding positions are candidates holding -inf (their gradient is dropped). Without differentiation
-the forward is the original reduce_window_max, so inference is unchanged. The
-replacement is XLA code, not one of our ops; policy="auto" replaces it on GPU only,
-where the gradient was measured faster (`_decide`).
+maximum; padding positions are candidates holding -inf (their gradient is dropped).
+Without differentiation the forward is the original reduce_window_max, so inference is
+unchanged. The replacement is XLA code, not one of our ops; policy="auto" replaces it
+on GPU only, where the gradient was measured faster (`_decide`).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from jax_ops.core.pattern import F32, BF16, Formulation, Pattern, sds
 #: the equation whose params (window, strides, padding, dilations) the formulation and
 #: the replacement take from the graph
 POOL = "reduce_window_max"
-MAX_WINDOW = 255  # positions a uint8 index can name
+MAX_WINDOW = 256  # positions a uint8 index can name
 
 
 def _pool_params(params):
@@ -60,11 +61,11 @@ def _out_shape(shape, p):
             zip(shape, p["padding"], p["window_dimensions"], p["window_strides"])]
 
 
-def _window_views(x, p):
+def _window_views(x, p, fill):
     """One view per window position, in row-major order: view[o] = x_padded[o * stride +
-    offset], of the output's shape (padding is -inf, reduce_window's init)."""
+    offset], of the output's shape; the padding holds `fill`."""
     window, strides, padding = p["window_dimensions"], p["window_strides"], p["padding"]
-    xp = jax.lax.pad(x, jnp.array(-jnp.inf, x.dtype), [(lo, hi, 0) for lo, hi in padding])
+    xp = jax.lax.pad(x, jnp.array(fill, x.dtype), [(lo, hi, 0) for lo, hi in padding])
     out = _out_shape(x.shape, p)
     for offset in itertools.product(*(range(w) for w in window)):
         limit = [o + (m - 1) * s + 1 for o, m, s in zip(offset, out, strides)]
@@ -78,7 +79,7 @@ def _pool_with_index(x, p):
     Padding positions are candidates holding -inf (a window whose inputs are all -inf
     and whose padding comes first selects the padding: no input gets its gradient)."""
     y = best = idx = None
-    for k, v in enumerate(_window_views(x, p)):
+    for k, v in enumerate(_window_views(x, p, -jnp.inf)):
         if y is None:
             y = best = v
             idx = jnp.zeros(v.shape, jnp.uint8)
@@ -90,49 +91,32 @@ def _pool_with_index(x, p):
     return y, idx
 
 
-def _scatter_grad(dy, idx, p, shape):
-    """dx = Σ_k (dy where idx == k) at the inputs of window offset k (padding dropped)."""
-    window, strides, padding = p["window_dimensions"], p["window_strides"], p["padding"]
-    dx = None
-    zero = jnp.zeros((), jnp.float32)  # an input in several windows sums in float32, rounded once
-    for k, offset in enumerate(itertools.product(*(range(w) for w in window))):
-        g = jnp.where(idx == k, dy.astype(jnp.float32), zero)
-        # g[o] goes to x[o * stride + offset - lo]: edge padding (negative where the
-        # offset lands in the padding) and stride - 1 interior
-        config = []
-        for n, m, (lo, _), s, off in zip(shape, dy.shape, padding, strides, offset):
-            low = off - lo
-            config.append((low, n - (low + (m - 1) * s + 1), s - 1))
-        part = jax.lax.pad(g, zero, config)
-        dx = part if dx is None else dx + part
-    return dx.astype(dy.dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _max_pool(x, pool):
+    return _reduce_window_max(x, dict(pool))
+
+
+@_max_pool.defjvp
+def _max_pool_jvp(pool, primals, tangents):
+    """The tangent at each window's selected position: select_n over the tangent's
+    window views by the index. Linear in the tangent, so reverse mode transposes it
+    into the scatter: dy where the index is k, interior-padded to the inputs of offset
+    k, summed in float32 (the views are float32) and rounded once; the index is what
+    the backward keeps (x is not). Forward mode and higher orders work as for any jnp."""
+    (x,), (t,) = primals, tangents
+    p = dict(pool)
+    y, idx = _pool_with_index(x, p)
+    views = list(_window_views(t.astype(jnp.float32), p, 0.0))
+    return y, jax.lax.select_n(idx, *views).astype(t.dtype)
 
 
 def _freeze(v):
     return tuple(_freeze(e) for e in v) if isinstance(v, (tuple, list)) else v
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _max_pool(x, pool):
-    return _reduce_window_max(x, dict(pool))
-
-
-def _max_pool_fwd(x, pool):
-    return _pool_with_index(x, dict(pool))
-
-
-def _max_pool_bwd(pool, idx, dy):
-    p = dict(pool)
-    return (_scatter_grad(dy, idx, p, p["input_shape"]),)
-
-
-_max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
-
-
 def max_pool_replacement(x, *, reduce_window_max, **_):
     """reduce_window_max(x) whose gradient keeps the window index instead of x."""
     p = _pool_params(reduce_window_max)
-    p["input_shape"] = tuple(x.shape)
     return _max_pool(x, tuple(sorted((k, _freeze(v)) for k, v in p.items())))
 
 
