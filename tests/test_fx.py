@@ -475,6 +475,9 @@ def test_profile_kernel_kinds():
     assert _kernel_kind("sm90_xmma_gemm_bf16bf16", "custom-call.2", "jit(f)/dot_general") == "matmul"
     assert _kernel_kind("nhwcAddPaddingKernel", "cudnn-conv.53", "jit(f)/conv_general_dilated") == "conv"
     assert _kernel_kind("input_reduce_fusion_3", "input_reduce_fusion.3", "") == "reduction fusion"
+    # a layout transpose of a conv's operand carries the conv's name in its op_name
+    assert _kernel_kind("loop_transpose_fusion", "input_transpose_fusion.41",
+                        "jit(f)/transpose(jvp(conv_general_dilated))") == "fusion"
 
 
 def test_profile_bytes_of_hlo_instructions():
@@ -486,11 +489,16 @@ def test_profile_bytes_of_hlo_instructions():
     assert instruction_bytes(rhs) == 2 * act + 256 * 4 + 1
     rhs = ("(bf16[8,16]{1,0}, f32[16]{0}, u8[4096]{0}) custom-call(bf16[8,16]{1,0} %x, s32[8]{0} %l), "
            "custom_call_target=\"jax_ops_x\", backend_config={\"f32[99]\": 1}")
-    assert instruction_bytes(rhs) == 8 * 16 * 2 + 16 * 4 + 4096 + 8 * 16 * 2 + 8 * 4
+    assert instruction_bytes(rhs) == 8 * 16 * 2 + 16 * 4 + 8 * 16 * 2 + 8 * 4  # u8 scratch left out
     assert instruction_bytes("f32[] constant(1)") == 4
     # operands printed by name only (newer XLA): their definitions' result bytes
     assert instruction_bytes("f32[8,32]{1,0} fusion(%x.1, %w.1), kind=kCustom, calls=%c",
                              {"x.1": 512, "w.1": 2048, "c": 7}) == 1024 + 512 + 2048
+    assert instruction_bytes("f32[8]{0} add(f32[8]{0} %a, %b)", {"b": 32}) == 96  # partly shaped
+    assert instruction_bytes("f32[8]{0} add(a, b)", {"a": 32, "b": 32}) == 96     # names without %
+    # a custom call's scratch workspace (last tuple element, s8/u8) is not moved data
+    assert instruction_bytes('(bf16[64,64]{1,0}, s8[33554432]{0}) custom-call(bf16[64,64]{1,0} %a, '
+                             'bf16[64,64]{1,0} %b), custom_call_target="__cublas$lt$matmul"') == 3 * 8192
 
     def f(x, w):
         return jnp.sin(x @ w) * 2
@@ -692,6 +700,15 @@ def test_profile_rows_from_trace_events():
     meta["custom-call.3"]["bytes"] = 10_000_000  # once per instruction, however many kernels and runs
     rows = {r.location: r for r in prof_mod.rows_from_trace(events, meta, repeat=2)}
     assert rows["model.py:7"].bytes == 10_000_000 and rows["model.py:7"].gbps == pytest.approx(2000.0)
+    # one instruction in two rows (a memset and its reduction): its bytes in one of them
+    meta["fusion.1"]["bytes"] = 1000
+    two = [("Memset", 100, {"hlo_op": "fusion.1"}), ("input_reduce_fusion", 900, {"hlo_op": "fusion.1"})]
+    got = prof_mod.rows_from_trace(two, meta, repeat=1)
+    assert sorted(r.bytes for r in got) == [0, 1000] and max(got, key=lambda r: r.bytes).time_us == 0.9
+    # a loop body's fusion run 10 times a run: its bytes 10 times
+    loop = [("loop_multiply_fusion", 1000, {"hlo_op": "fusion.1"})] * 20
+    (r,) = prof_mod.rows_from_trace(loop, meta, repeat=2)
+    assert r.count == 10 and r.bytes == 10_000 and r.gbps == pytest.approx(1.0)
     assert prof_mod.rows_from_trace(events[3:4], meta, 1) is None  # no tags: CUPTI fallback
 
 

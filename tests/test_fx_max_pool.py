@@ -117,6 +117,9 @@ def test_max_pool_near_misses_are_not_rewritten():
         recs = fx.rewrites(fn, x, policy="always")
         assert not any(r.pattern == "max_pool" and r.replaced for r in recs), recs
         np.testing.assert_array_equal(jax_ops.optimize(fn, policy="always")(x), fn(x))
+    x8 = x.astype(jnp.float8_e4m3fn)  # no -inf to pad with: not rewritten
+    recs = fx.rewrites(_pool((2, 2), (2, 2), "VALID"), x8, policy="always")
+    assert not any(r.replaced for r in recs), recs
     xi = jnp.round(x * 4).astype(jnp.int32)
     recs = fx.rewrites(_pool((2, 2), (2, 2), "VALID"), xi, policy="always")
     assert not any(r.replaced for r in recs), recs

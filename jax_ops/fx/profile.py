@@ -183,11 +183,33 @@ def _shape_bytes(text: str) -> int:
     return n
 
 
+def _split_top(text: str) -> list:
+    """text split at the commas outside (), [] and {}."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur))
+    return parts
+
+
+_WORKSPACE = re.compile(r"^\s*[su]8\[\d+\]")
+
+
 def instruction_bytes(rhs: str, result_bytes: dict | None = None) -> int:
     """Operand + result bytes of an HLO instruction from its printed right-hand side
-    ("bf16[8,16]{1,0} fusion(bf16[8,16]{1,0} %p, f32[16]{0} %q), kind=..."; operands
-    printed without shapes are looked up by name in `result_bytes`): the bytes its
-    kernels must move at least, each array once."""
+    ("bf16[8,16]{1,0} fusion(bf16[8,16]{1,0} %p, f32[16]{0} %q), kind=..."; an operand
+    printed without its shape is looked up by name in `result_bytes`): the bytes its
+    kernels must move at least, each array once. A custom call's scratch workspace (the
+    last element of its result tuple, s8/u8[n]) is not counted."""
     m = re.search(r"\s([a-z][\w\-]*)\(", rhs)
     if not m:
         return _shape_bytes(rhs.split(",")[0])
@@ -197,11 +219,19 @@ def instruction_bytes(rhs: str, result_bytes: dict | None = None) -> int:
         if depth == 0:
             end = i
             break
-    operands = rhs[m.end():end]
-    read = _shape_bytes(operands)
-    if not read and result_bytes:
-        read = sum(result_bytes.get(name, 0) for name in re.findall(r"%([\w.\-]+)", operands))
-    return _shape_bytes(rhs[:m.start()]) + read
+    read = 0
+    for operand in _split_top(rhs[m.end():end]):
+        n = _shape_bytes(operand)
+        if not n and result_bytes:
+            name = re.search(r"%?([\w.\-]+)\s*$", operand.strip())
+            n = result_bytes.get(name.group(1), 0) if name else 0
+        read += n
+    result = rhs[:m.start()].strip()
+    if m.group(1) == "custom-call" and result.startswith("("):
+        elements = _split_top(result[1:-1])
+        if len(elements) > 1 and _WORKSPACE.match(elements[-1]):
+            result = ",".join(elements[:-1])
+    return _shape_bytes(result) + read
 
 
 _SECTION_ROW = re.compile(r'^(\d+)\s+(?:"(.*)"|\{(.*)\})\s*$')
@@ -279,7 +309,7 @@ def _kernel_kind(kernel: str, instr: str | None, op_name: str, target: str = "")
     if "jax_ops" in k or "jax_ops" in op_name:
         m = re.search(r"jax_ops[_:]+(\w+)", kernel + " " + op_name)
         return f"jax_ops {m.group(1)}" if m else "jax_ops"
-    if (instr or "").startswith("cudnn-conv") or "conv_general_dilated" in op_name:
+    if (instr or "").startswith("cudnn-conv") or op_name.rsplit("/", 1)[-1].startswith("conv_general_dilated"):
         return "conv"  # cuDNN's convolution kernels are implicit GEMMs: named like matmuls
     if any(s in k for s in ("gemm", "xmma", "cutlass", "cublas", "matmul", "dot")):
         return "matmul"
@@ -308,7 +338,10 @@ def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
     tags each kernel it launches with the HLO instruction (stat "hlo_op"), custom
     calls' library and FFI kernels included, so the attribution is exact. None when
     no event carries the tag (then the CUPTI mapping by name and order is used)."""
-    groups: dict = defaultdict(lambda: [0, 0.0, set(), set()])
+    groups: dict = defaultdict(lambda: [0, 0.0, set()])
+    per_instr: dict = defaultdict(lambda: defaultdict(float))  # instr -> group key -> ns
+    events_of: dict = defaultdict(int)
+    names_of: dict = defaultdict(set)
     tagged = False
     for kernel, ns, stats in events:
         instr = stats.get("hlo_op")
@@ -319,16 +352,34 @@ def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
         loc = fields.get("location") or fields.get("op_name") or f"(instruction {instr})"
         kind = _kernel_kind(kernel, instr, fields.get("op_name", ""),
                             fields.get("custom_call_target", ""))
-        g = groups[(loc, kind, fields.get("op_name", ""))]
+        key = (loc, kind, fields.get("op_name", ""))
+        g = groups[key]
         g[0] += 1
         g[1] += ns / 1e3
         g[2].add(kernel)
-        g[3].add(instr)
+        per_instr[instr][key] += ns
+        events_of[instr] += 1
+        names_of[instr].add(kernel)
     if not tagged:
         return None
+    nbytes = _bytes_by_group(per_instr, meta, {i: events_of[i] / max(1, len(names_of[i])) / repeat
+                                               for i in per_instr})
     return [Row(loc, kind, max(1, round(c / repeat)), us / repeat, name=",".join(sorted(n)), module=op,
-                bytes=sum(meta.get(i, {}).get("bytes", 0) for i in instrs))
-            for (loc, kind, op), (c, us, n, instrs) in groups.items()]
+                bytes=nbytes.get((loc, kind, op), 0))
+            for (loc, kind, op), (c, us, n) in groups.items()]
+
+
+def _bytes_by_group(per_instr: dict, meta: dict, executions: dict) -> dict:
+    """Each instruction's bytes (times its executions per run: a loop body's run several
+    times, estimated as its kernel events per distinct kernel name) to the one row that
+    has most of its time (a memset and a reduction of one instruction can land in two
+    rows; the bytes are counted once)."""
+    out: dict = defaultdict(int)
+    for instr, by_key in per_instr.items():
+        b = meta.get(instr, {}).get("bytes", 0)
+        if b:
+            out[max(by_key, key=by_key.get)] += int(round(b * max(1.0, executions.get(instr, 1.0))))
+    return out
 
 
 def _trace_events(compiled, args, kwargs, repeat: int, module: str) -> list:
@@ -432,7 +483,10 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
         if instr is None:
             near = [instrs[j] for j in (i - 1, i + 1) if 0 <= j < len(instrs) and instrs[j]]
             instrs[i] = near[0] if near else None
-    groups: dict = defaultdict(lambda: [0, 0.0, set(), set()])
+    groups: dict = defaultdict(lambda: [0, 0.0, set()])
+    per_instr: dict = defaultdict(lambda: defaultdict(float))
+    events_of: dict = defaultdict(int)
+    names_of: dict = defaultdict(set)
     for (kernel, ms), instr in zip(run, instrs):
         fields = meta.get(instr, {}) if instr else {}
         loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
@@ -444,10 +498,12 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
         g[1] += ms * 1e3
         g[2].add(kernel)
         if instr:
-            g[3].add(instr)
-    rows = [Row(loc, kind, c, us, name=",".join(sorted(n)), module=op,
-                bytes=sum(meta.get(i, {}).get("bytes", 0) for i in named))
-            for (loc, kind, op), (c, us, n, named) in groups.items()]
+            per_instr[instr][key] += ms
+            events_of[instr] += 1
+            names_of[instr].add(kernel)
+    nbytes = _bytes_by_group(per_instr, meta, {i: events_of[i] / max(1, len(names_of[i])) for i in per_instr})
+    rows = [Row(loc, kind, c, us, name=",".join(sorted(n)), module=op, bytes=nbytes.get((loc, kind, op), 0))
+            for (loc, kind, op), (c, us, n) in groups.items()]
     return Profile(rows, sum(r.time_us for r in rows), f"CUPTI kernel times, best of {repeat}")
 
 
