@@ -1,5 +1,11 @@
 # Sourced by the device-call scripts: OUT, env.txt, and the extension in place — the
 # carried build (.carry/_ffi.so.gz) or a fresh sm_90 build, returned as $OUT/ffi.so.gz.
+# Carried wheels (.carry/wheels: transformers 4.57 and its deps for the model benchmarks)
+# are installed to /tmp/hf_pkgs, put on PYTHONPATH.
+if compgen -G ".carry/wheels/*.whl" > /dev/null; then
+  pip install -q --no-deps --no-index --target /tmp/hf_pkgs .carry/wheels/*.whl 2>&1 | grep -v WARNING | tail -2
+  export PYTHONPATH=/tmp/hf_pkgs${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/jax_ops_out}; mkdir -p "$OUT"
 { date -u +%FT%TZ; echo "commit $(cat .carry/COMMIT 2>/dev/null || echo unknown)"

@@ -5,8 +5,6 @@
 # training step (model_step.py, XLA's default flags). Every stage has a time limit; a
 # stage that runs out dumps its Python stack (faulthandler on SIGABRT).
 set -uo pipefail
-pip install -q --no-deps --no-index --target /tmp/hf_pkgs .carry/wheels/*.whl 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/hf_pkgs${PYTHONPATH:+:$PYTHONPATH}
 source benchmarks/gpu_extension.sh
 SO=jax_ops/_ffi.cpython-312-x86_64-linux-gnu.so
 HOST_ARGS=${HOST_ARGS:---calls 16 --execs 5 --repeats 3}

@@ -3,8 +3,6 @@
 # (benchmarks/max_pool_gpu.py), its tests on the GPU, and ResNet-50's training step
 # (model_step.py, XLA's default flags) with the profile's top rows (bytes, GB/s).
 set -uo pipefail
-pip install -q --no-deps --no-index --target /tmp/hf_pkgs .carry/wheels/*.whl 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/hf_pkgs${PYTHONPATH:+:$PYTHONPATH}
 source benchmarks/gpu_extension.sh
 t0=$SECONDS
 timeout -s ABRT 60 python3 -X faulthandler benchmarks/max_pool_gpu.py 2>&1 | grep -v Warn | tee "$OUT/max_pool.txt"

@@ -4,8 +4,6 @@
 # profiling; then model_step.py with the full profiles (PROFILE_ROWS, default 400).
 # Usage: bash benchmarks/gpu_timeline.sh
 set -uo pipefail
-pip install -q --no-deps --no-index --target /tmp/hf_pkgs .carry/wheels/*.whl 2>&1 | grep -v WARNING | tail -2
-export PYTHONPATH=/tmp/hf_pkgs${PYTHONPATH:+:$PYTHONPATH}
 source benchmarks/gpu_extension.sh
 python3 -c "import jax, jax_ops, transformers; print('jax', jax.__version__, jax.devices(), 'with_cuda', jax_ops.with_cuda(), 'transformers', transformers.__version__)" 2>&1 | grep -v Warn | tee -a "$OUT/env.txt"
 P="--xla_enable_command_buffers_during_profiling=true"

@@ -95,6 +95,28 @@ def make_train(loss_fn, has_stats):
     return opt, jax.jit(step, donate_argnums=(0, 1, 2))
 
 
+def train_runner(fn, has_stats, params, stats, batch):
+    """(compiled training step, run(): one step on fresh copies of params/stats and an
+    adamw state, carried from call to call, returning the loss)."""
+    opt, step = make_train(fn, has_stats)
+    p = jax.tree.map(jnp.array, params)
+    s = jax.tree.map(jnp.array, stats)
+    o = opt.init(p)
+    compiled = step.lower(p, o, s, *batch).compile()
+    state = {"p": p, "o": o, "s": s}
+
+    def run():
+        state["p"], state["o"], state["s"], loss = compiled(state["p"], state["o"], state["s"], *batch)
+        return loss
+    return compiled, run
+
+
+def infer_runner(fn, params, stats, batch):
+    """(compiled inference, run(): one call on the batch)."""
+    compiled = jax.jit(fn).lower(params, stats, *batch).compile()
+    return compiled, lambda: compiled(params, stats, *batch)
+
+
 def time_steps(run, steps, repeats):
     times = []
     for _ in range(repeats):
@@ -135,17 +157,8 @@ def bench_train(name, cfg, dtype, policies, steps, repeats, profile_rows, origin
         out["rewrites" if len(policies) == 1 else f"rewrites_{p}"] = str(
             fx.rewrites(loss_fn, *report_args, policy=p))
     for label, fn in variants.items():
-        opt, step = make_train(fn, has_stats)
-        p = jax.tree.map(jnp.array, params)
-        s = jax.tree.map(jnp.array, stats)
-        o = opt.init(p)
-        compiled = step.lower(p, o, s, *batch).compile()
+        compiled, run = train_runner(fn, has_stats, params, stats, batch)
         temp = compiled.memory_analysis().temp_size_in_bytes
-        state = {"p": p, "o": o, "s": s}
-
-        def run():
-            state["p"], state["o"], state["s"], loss = compiled(state["p"], state["o"], state["s"], *batch)
-            return loss
         first_loss = float(run())
         times = time_steps(run, steps, repeats)
         prof = None
@@ -171,14 +184,13 @@ def bench_infer(name, cfg, dtype, policies, steps, repeats, profile_rows, origin
             fx.rewrites(infer_fn, params, stats, *batch, policy=p))
     ref = None
     for label, fn in variants.items():
-        f = jax.jit(fn)
-        compiled = f.lower(params, stats, *batch).compile()
+        compiled, run = infer_runner(fn, params, stats, batch)
         temp = compiled.memory_analysis().temp_size_in_bytes
-        y = compiled(params, stats, *batch)
+        y = run()
         if ref is None:
             ref = np.asarray(y, np.float64)
         err = float(np.linalg.norm(np.asarray(y, np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
-        times = time_steps(lambda: compiled(params, stats, *batch), steps, repeats)
+        times = time_steps(run, steps, repeats)
         prof = None
         if profile_rows:
             pr = fx.profile(fn, params, stats, *batch)

@@ -85,22 +85,10 @@ def variants(name, mode, cfg, dtype, policy):
     fns["optimized"] = jax_ops.optimize(fns["original"], policy=policy)
     for label, fn in fns.items():
         if mode == "train":
-            has_stats = name == "resnet50"
-            opt, step = model_step.make_train(fn, has_stats)
-            p, s = jax.tree.map(jnp.array, params), jax.tree.map(jnp.array, stats)
-            o = opt.init(p)
-            compiled = step.lower(p, o, s, *batch).compile()
-            state = {"p": p, "o": o, "s": s}
-
-            def run(compiled=compiled, state=state):
-                state["p"], state["o"], state["s"], loss = compiled(state["p"], state["o"], state["s"], *batch)
-                return loss
+            _, run = model_step.train_runner(fn, name == "resnet50", params, stats, batch)
         else:
-            compiled = jax.jit(fn).lower(params, stats, batch[0]).compile()
-
-            def run(compiled=compiled):
-                return compiled(params, stats, batch[0])
-        yield label, compiled, run
+            _, run = model_step.infer_runner(fn, params, stats, batch[:1])
+        yield label, run
 
 
 def main(argv=None):
@@ -120,7 +108,7 @@ def main(argv=None):
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv[1:], "runs": {}}
     for name in a.models:
         for mode in a.modes:
-            for label, compiled, run in variants(name, mode, sizes[name], jnp.bfloat16, a.policy):
+            for label, run in variants(name, mode, sizes[name], jnp.bfloat16, a.policy):
                 times = model_step.time_steps(run, a.steps, a.repeats)
                 r = dict(ms=statistics.median(times), times=times,
                          **timeline_summary(kernel_events(run, a.trace_steps), a.trace_steps, a.top))

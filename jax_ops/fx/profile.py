@@ -34,7 +34,7 @@ class Row:
     percent: float = 0.0
     name: str = ""     # primitive / kernel name(s)
     module: str = ""   # Flax module path / name stack
-    bytes: int = 0     # operands + results of the row's equations / HLO instructions, once each
+    bytes: int = 0     # operands + results of the row's equations / HLO instructions, once an execution
 
     @property
     def gbps(self) -> float:
@@ -204,30 +204,36 @@ def _split_top(text: str) -> list:
 _WORKSPACE = re.compile(r"^\s*[su]8\[\d+\]")
 
 
-def instruction_bytes(rhs: str, result_bytes: dict | None = None) -> int:
-    """Operand + result bytes of an HLO instruction from its printed right-hand side
-    ("bf16[8,16]{1,0} fusion(bf16[8,16]{1,0} %p, f32[16]{0} %q), kind=..."; an operand
-    printed without its shape is looked up by name in `result_bytes`): the bytes its
-    kernels must move at least, each array once. A custom call's scratch workspace (the
-    last element of its result tuple, s8/u8[n]) is not counted."""
+def _parts(rhs: str) -> tuple[str, str, str]:
+    """(result shape text, opcode, operand list text) of an HLO instruction's right-hand
+    side; ("", "", rhs's first field) when it has no operand list."""
     m = re.search(r"\s([a-z][\w\-]*)\(", rhs)
     if not m:
-        return _shape_bytes(rhs.split(",")[0])
+        return rhs.split(",")[0], "", ""
     depth, end = 0, len(rhs)
     for i in range(m.end() - 1, len(rhs)):
         depth += {"(": 1, ")": -1}.get(rhs[i], 0)
         if depth == 0:
             end = i
             break
+    return rhs[:m.start()].strip(), m.group(1), rhs[m.end():end]
+
+
+def instruction_bytes(rhs: str, result_bytes: dict | None = None) -> int:
+    """Operand + result bytes of an HLO instruction from its printed right-hand side
+    ("bf16[8,16]{1,0} fusion(bf16[8,16]{1,0} %p, f32[16]{0} %q), kind=..."; an operand
+    printed without its shape is looked up by name in `result_bytes`): the bytes its
+    kernels must move at least, each array once. A custom call's scratch workspace (the
+    last element of its result tuple, s8/u8[n]) is not counted."""
+    result, opcode, operands = _parts(rhs)
     read = 0
-    for operand in _split_top(rhs[m.end():end]):
+    for operand in _split_top(operands):
         n = _shape_bytes(operand)
         if not n and result_bytes:
             name = re.search(r"%?([\w.\-]+)\s*$", operand.strip())
             n = result_bytes.get(name.group(1), 0) if name else 0
         read += n
-    result = rhs[:m.start()].strip()
-    if m.group(1) == "custom-call" and result.startswith("("):
+    if opcode == "custom-call" and result.startswith("("):
         elements = _split_top(result[1:-1])
         if len(elements) > 1 and _WORKSPACE.match(elements[-1]):
             result = ",".join(elements[:-1])
@@ -284,8 +290,7 @@ def hlo_metadata(hlo_text: str) -> tuple[dict, list]:
     instrs = [m for m in map(_HLO_INSTR.match, hlo_text.splitlines()) if m]
     result_bytes = {}  # instruction -> its result's bytes (operands may be printed by name only)
     for m in instrs:
-        op = re.search(r"\s([a-z][\w\-]*)\(", m.group(2))
-        result_bytes[m.group(1)] = _shape_bytes(m.group(2)[:op.start()] if op else m.group(2).split(",")[0])
+        result_bytes[m.group(1)] = _shape_bytes(_parts(m.group(2))[0])
     for m in instrs:
         meta = _META.search(m.group(2))
         fields = dict(_FIELD.findall(meta.group(1))) if meta else {}
@@ -339,9 +344,7 @@ def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
     calls' library and FFI kernels included, so the attribution is exact. None when
     no event carries the tag (then the CUPTI mapping by name and order is used)."""
     groups: dict = defaultdict(lambda: [0, 0.0, set()])
-    per_instr: dict = defaultdict(lambda: defaultdict(float))  # instr -> group key -> ns
-    events_of: dict = defaultdict(int)
-    names_of: dict = defaultdict(set)
+    moved = _InstructionBytes()
     tagged = False
     for kernel, ns, stats in events:
         instr = stats.get("hlo_op")
@@ -357,29 +360,39 @@ def rows_from_trace(events, meta: dict, repeat: int) -> list | None:
         g[0] += 1
         g[1] += ns / 1e3
         g[2].add(kernel)
-        per_instr[instr][key] += ns
-        events_of[instr] += 1
-        names_of[instr].add(kernel)
+        moved.add(instr, key, ns, kernel)
     if not tagged:
         return None
-    nbytes = _bytes_by_group(per_instr, meta, {i: events_of[i] / max(1, len(names_of[i])) / repeat
-                                               for i in per_instr})
+    nbytes = moved.by_row(meta, repeat)
     return [Row(loc, kind, max(1, round(c / repeat)), us / repeat, name=",".join(sorted(n)), module=op,
                 bytes=nbytes.get((loc, kind, op), 0))
             for (loc, kind, op), (c, us, n) in groups.items()]
 
 
-def _bytes_by_group(per_instr: dict, meta: dict, executions: dict) -> dict:
-    """Each instruction's bytes (times its executions per run: a loop body's run several
-    times, estimated as its kernel events per distinct kernel name) to the one row that
-    has most of its time (a memset and a reduction of one instruction can land in two
-    rows; the bytes are counted once)."""
-    out: dict = defaultdict(int)
-    for instr, by_key in per_instr.items():
-        b = meta.get(instr, {}).get("bytes", 0)
-        if b:
-            out[max(by_key, key=by_key.get)] += int(round(b * max(1.0, executions.get(instr, 1.0))))
-    return out
+class _InstructionBytes:
+    """Each HLO instruction's bytes, put in the one row that has most of its time (a
+    memset and a reduction of one instruction can land in two rows; the bytes are
+    counted once), times its executions per run (a loop body's run several times,
+    estimated as its kernel events per distinct kernel name)."""
+
+    def __init__(self):
+        self.time = defaultdict(lambda: defaultdict(float))  # instr -> row key -> time
+        self.events = defaultdict(int)
+        self.kernels = defaultdict(set)
+
+    def add(self, instr, key, t, kernel):
+        self.time[instr][key] += t
+        self.events[instr] += 1
+        self.kernels[instr].add(kernel)
+
+    def by_row(self, meta: dict, runs: int) -> dict:
+        out: dict = defaultdict(int)
+        for instr, by_key in self.time.items():
+            b = meta.get(instr, {}).get("bytes", 0)
+            executions = self.events[instr] / len(self.kernels[instr]) / runs
+            if b:
+                out[max(by_key, key=by_key.get)] += int(round(b * max(1.0, executions)))
+        return out
 
 
 def _trace_events(compiled, args, kwargs, repeat: int, module: str) -> list:
@@ -484,9 +497,7 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
             near = [instrs[j] for j in (i - 1, i + 1) if 0 <= j < len(instrs) and instrs[j]]
             instrs[i] = near[0] if near else None
     groups: dict = defaultdict(lambda: [0, 0.0, set()])
-    per_instr: dict = defaultdict(lambda: defaultdict(float))
-    events_of: dict = defaultdict(int)
-    names_of: dict = defaultdict(set)
+    moved = _InstructionBytes()
     for (kernel, ms), instr in zip(run, instrs):
         fields = meta.get(instr, {}) if instr else {}
         loc = fields.get("location") or fields.get("op_name") or f"(kernel {kernel[:40]})"
@@ -498,10 +509,8 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
         g[1] += ms * 1e3
         g[2].add(kernel)
         if instr:
-            per_instr[instr][key] += ms
-            events_of[instr] += 1
-            names_of[instr].add(kernel)
-    nbytes = _bytes_by_group(per_instr, meta, {i: events_of[i] / max(1, len(names_of[i])) for i in per_instr})
+            moved.add(instr, key, ms, kernel)
+    nbytes = moved.by_row(meta, 1)
     rows = [Row(loc, kind, c, us, name=",".join(sorted(n)), module=op, bytes=nbytes.get((loc, kind, op), 0))
             for (loc, kind, op), (c, us, n) in groups.items()]
     return Profile(rows, sum(r.time_us for r in rows), f"CUPTI kernel times, best of {repeat}")
@@ -510,8 +519,9 @@ def _cupti_profile(compiled, meta, custom_calls, args, kwargs, repeat: int) -> P
 def profile(fn, *args, descend: bool = False, repeat: int = 3, **kwargs) -> Profile:
     """Where the time of fn(*args, **kwargs) goes: rows with location, kind, count,
     time_us, percent, bytes (operands + results of the row's equations or HLO
-    instructions, each once: the minimum they move) and gbps, sorted by time. On GPU: CUPTI per-kernel times of the
-    compiled function mapped to HLO source metadata; elsewhere: per-equation wall
+    instructions, each once per execution: the minimum they move) and gbps, sorted by
+    time. On GPU: CUPTI per-kernel times of the compiled function mapped to HLO source
+    metadata; elsewhere: per-equation wall
     clock of an eager run (descend=True times the bodies of jit calls equation by
     equation instead of as one row)."""
     if not callable(fn):
