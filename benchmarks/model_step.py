@@ -133,7 +133,8 @@ def _variants(fn, policies, original):
     """{"original": fn, "optimized": ...} (one policy) or "optimized_<policy>" per policy."""
     out = {"original": fn} if original else {}
     for p in policies:
-        out["optimized" if len(policies) == 1 else f"optimized_{p}"] = jax_ops.optimize(fn, policy=p)
+        out["optimized" if len(policies) == 1 else f"optimized_{p}"] = jax_ops.optimize(
+            fn, policy=p, exclude=EXCLUDE)
     return out
 
 
@@ -155,7 +156,7 @@ def bench_train(name, cfg, dtype, policies, steps, repeats, profile_rows, origin
     report_args = (params, stats, *batch) if has_stats else (params, *batch)
     for p in policies:
         out["rewrites" if len(policies) == 1 else f"rewrites_{p}"] = str(
-            fx.rewrites(loss_fn, *report_args, policy=p))
+            fx.rewrites(loss_fn, *report_args, policy=p, exclude=EXCLUDE))
     for label, fn in variants.items():
         compiled, run = train_runner(fn, has_stats, params, stats, batch)
         temp = compiled.memory_analysis().temp_size_in_bytes
@@ -181,7 +182,7 @@ def bench_infer(name, cfg, dtype, policies, steps, repeats, profile_rows, origin
     out = {}
     for p in policies:
         out["rewrites" if len(policies) == 1 else f"rewrites_{p}"] = str(
-            fx.rewrites(infer_fn, params, stats, *batch, policy=p))
+            fx.rewrites(infer_fn, params, stats, *batch, policy=p, exclude=EXCLUDE))
     ref = None
     for label, fn in variants.items():
         compiled, run = infer_runner(fn, params, stats, batch)
@@ -203,6 +204,7 @@ def bench_infer(name, cfg, dtype, policies, steps, repeats, profile_rows, origin
 
 
 MODELS = {"gpt2": gpt2, "resnet50": resnet50}
+EXCLUDE: tuple = ()  # --exclude: patterns the optimized variants leave out
 
 
 def main(argv=None):
@@ -217,8 +219,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile-rows", type=int, default=15)
     ap.add_argument("--small", action="store_true", help="toy sizes (CPU smoke run)")
+    ap.add_argument("--exclude", nargs="*", default=[], help="patterns optimize leaves out")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    global EXCLUDE
+    EXCLUDE = tuple(a.exclude)
     sizes = SMALL if a.small else GPU
     dtype = jnp.dtype(a.dtype)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1114,6 +1114,32 @@ def test_conv_batch_norm_folds_a_resnet_block_in_inference(dtype):
         _tree_agree(fast(x, v), fn(x, v), fn(*_f32((x, v))), dtype)
 
 
+def test_relu_after_a_conv_stays_xla_under_auto():
+    """policy="auto" leaves a relu after a conv (through a bias or residual add, or a
+    folded conv + BatchNorm) to XLA, which fuses it into cuDNN's convolution; a relu
+    elsewhere is decided as before; "always" still replaces both."""
+    m, x, v = _inference_block(jnp.bfloat16)
+    fused = "XLA fuses it into the convolution before it"
+    recs = fx.rewrites(lambda x, v: m.apply(v, x), x, v)
+    relus = [r for r in recs if r.pattern in ("relu", "add_relu")]
+    # both relus (the last one also as a relu inside add_relu) kept, for that reason
+    assert len(relus) >= 2 and all(not r.replaced and fused in r.reason for r in relus), recs
+    recs = fx.rewrites(lambda x, v: m.apply(v, x), x, v, policy="always")
+    assert sum(r.replaced for r in recs if r.pattern in ("relu", "add_relu")) == 2, recs
+    w = _x((3, 3, 8, 8), seed=4)
+    b = _x((8,), seed=5)
+
+    def conv_relu(x, w, b):  # conv + bias + relu, no BatchNorm
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + b)
+    xs = _x((2, 6, 6, 8), seed=6)
+    recs = [r for r in fx.rewrites(conv_relu, xs, w, b) if r.pattern in ("relu", "add_relu")]
+    assert recs and all(not r.replaced and fused in r.reason for r in recs), recs
+    recs = [r for r in fx.rewrites(lambda x: jax.nn.relu(x @ x.T + 1.0), _x((4, 4), seed=7))
+            if r.pattern in ("relu", "add_relu")]
+    assert recs and all(fused not in (r.reason or "") for r in recs), recs
+
+
 def test_conv_batch_norm_with_conv_bias_strides_and_padding():
     class M(nn.Module):
         @nn.compact

@@ -25,6 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+#: keys of specialize's params: the names of the patterns in use; the graph nodes that
+#: replacements of higher-priority patterns took so far -> those patterns' names
+ACTIVE_PATTERNS = "active_patterns"
+CLAIMED_BY = "claimed_by"
+
 F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 #: the activation dtypes the ops take
 OP_DTYPES = (F32, BF16, F16)
@@ -75,9 +80,17 @@ class Pattern:
     accepts(avals) -> None, or the reason the replacement can't take these inputs.
     specialize(graph_args, avals, params) -> extra params for the replacement (facts
       read from the graph, e.g. a constant causal mask; graph_args are fx graph Values,
-      Literals or None) or the reason not to replace.
+      Literals or None) or the reason not to replace. params[ACTIVE_PATTERNS] holds the
+      names of the patterns in use (optimize's patterns/exclude), params[CLAIMED_BY]
+      the nodes already replaced (-> pattern name; higher priorities go first).
     reported: static or specialized params rewrites() shows with the captured literals
       (attention's is_causal).
+    context(graph_args, avals, params) -> None or why policy="auto"/"memory" keeps the
+      original here because of its neighbours in the graph (a relu XLA fuses into the
+      conv before it); params as specialize's. Not consulted under "always".
+    candidate(avals, params) -> whether a verified match is one the pattern is for at
+      all; where not, it is neither replaced nor reported (a stride-1 conv is no
+      strided narrow-input conv). Default: every verified match.
     decide(avals, params) -> None or why policy="auto" keeps the original (default:
       jax_ops.explain of the replacement picks one of our kernels).
     decide_memory(avals, params) -> None or why policy="memory" keeps the original: for
@@ -111,6 +124,8 @@ class Pattern:
     decide: Callable | None = None
     decide_memory: Callable | None = None
     reported: tuple = ()
+    candidate: Callable | None = None
+    context: Callable | None = None
 
     def __post_init__(self):
         self.outputs = tuple(self.outputs)

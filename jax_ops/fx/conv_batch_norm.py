@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ops.core.pattern import F32, BF16, Formulation, Pattern, flax_available, out_dtypes, sds
+from jax_ops.core.pattern import (ACTIVE_PATTERNS, F32, BF16, Formulation, Pattern, flax_available,
+                                  out_dtypes, sds)
+from jax_ops.fx import conv_space_to_depth
 from jax_ops.ops.batch_norm import BN_EPSILON, flax_linen_batch_norm
 
 #: the equation whose params (strides, padding, dimension numbers...) the formulation
@@ -81,8 +83,10 @@ def _accepts(avals):
 
 
 def fold_replacement(x, w, conv_bias, scale, bias, mean, var, *, epsilon, out_dtype,
-                     conv_general_dilated, **_):
-    """conv(x, w * s) + (b - mean) * s + bias, s = scale * rsqrt(var + epsilon) (float32)."""
+                     conv_general_dilated, conv_rewrite=None, **_):
+    """conv(x, w * s) + (b - mean) * s + bias, s = scale * rsqrt(var + epsilon) (float32);
+    the conv computed as the conv rewrite named `conv_rewrite` does, if any
+    (`_specialize`)."""
     p = dict(conv_general_dilated)
     dn = p["dimension_numbers"]
     y_rank = len(dn.out_spec)
@@ -104,7 +108,10 @@ def fold_replacement(x, w, conv_bias, scale, bias, mean, var, *, epsilon, out_dt
     b = b * s
     if bias is not None:
         b = b + bias.astype(jnp.float32)
-    y = jax.lax.conv_general_dilated(x, w_folded, **p)
+    if conv_rewrite is not None:
+        y = _CONV_REWRITES[conv_rewrite](x, w_folded, p)
+    else:
+        y = jax.lax.conv_general_dilated(x, w_folded, **p)
     if y.dtype == out_dtype:
         # conv + bias in the conv's own dtype: the form XLA hands to cuDNN as one fused
         # convolution (bias, a side input and a following relu in its epilogue). With a
@@ -112,6 +119,29 @@ def fold_replacement(x, w, conv_bias, scale, bias, mean, var, *, epsilon, out_dt
         # H100: benchmarks/conv_fusion_probe.py).
         return y + b.astype(out_dtype)
     return (y.astype(jnp.float32) + b).astype(out_dtype)
+
+
+#: the conv rewrites the fold applies to its conv where they would replace it alone.
+#: Not pointwise_conv: as GEMMs, ResNet-50's folded 1x1 convs took more kernel time
+#: than cuDNN's fused convs (H100, inference: 2.40 ms of kernels with convs, 2.58 with the
+#: 1x1 convs not feeding a residual add as GEMMs, 2.96 with all of them; perf-notes,
+#: "Sixth session").
+_CONV_REWRITES = {"conv_space_to_depth": conv_space_to_depth.space_to_depth_conv}
+
+
+def _specialize(args, avals, params):
+    """The conv rewrite applied to the folded conv: the one that would replace the conv
+    under policy="auto" (they overlap at an inference conv, and the fold, of higher
+    priority, takes it), unless optimize's patterns/exclude leave it out."""
+    conv = {CONV: params.get(CONV)}
+    for name in _CONV_REWRITES:
+        if name not in params.get(ACTIVE_PATTERNS, ()):
+            continue
+        pattern = conv_space_to_depth.patterns()[0]
+        if (pattern.candidate(avals[:2], conv) and pattern.accepts(avals[:2]) is None
+                and pattern.decide(avals[:2], conv) is None):
+            return {"conv_rewrite": name}
+    return {}
 
 
 def _always(avals, params):
@@ -127,5 +157,6 @@ def patterns() -> list[Pattern]:
                                  "flax.linen.Conv, flax.linen.BatchNorm(inference)",
                                  node_params=(CONV,))],
                     fold_replacement, _examples(), params={"epsilon": BN_EPSILON},
-                    accepts=_accepts, priority=2, decide=_always,
+                    accepts=_accepts, priority=2, decide=_always, specialize=_specialize,
+                    reported=("conv_rewrite",),
                     note="inference conv + BatchNorm folded into the conv's weights and bias")]

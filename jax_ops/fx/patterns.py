@@ -103,9 +103,10 @@ _USER: list[Pattern] = []
 
 def fx_patterns() -> list[Pattern]:
     """Patterns whose replacement is not one of our ops (declared in jax_ops/fx)."""
-    from jax_ops.fx import conv_batch_norm, max_pool
+    from jax_ops.fx import conv_batch_norm, conv_space_to_depth, max_pool, pointwise_conv
     from jax_ops.fx.attention import attention_patterns
-    return [*attention_patterns(), *conv_batch_norm.patterns(), *max_pool.patterns()]
+    return [*attention_patterns(), *conv_batch_norm.patterns(),
+            *conv_space_to_depth.patterns(), *pointwise_conv.patterns(), *max_pool.patterns()]
 
 
 def builtin_patterns() -> list[Pattern]:

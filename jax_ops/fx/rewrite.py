@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jax_ops.core.pattern import ACTIVE_PATTERNS, CLAIMED_BY
 from jax_ops.fx import match as M
 from jax_ops.fx import patterns as P
 from jax_ops.fx.graph import Graph, Literal, Node, Value, _table, make_closed_jaxpr
@@ -243,10 +244,12 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                frozen: str | None = None) -> Plan:
     plan = Plan()
     claimed: set = set()
+    claimed_by: dict = {}  # node -> the name of the pattern whose replacement took it
     considered: set = set()  # nodes of verified candidates: their bodies are not searched
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
     failures: list = []  # (record, anchor, stage, nodes) of near misses
     verified_by: dict = {}  # node -> names of the patterns with a verified match over it
+    active = frozenset(p.name for p in patterns)
     for pattern in patterns:
         by_anchor = P.templates_by_anchor(pattern)
         for node in reversed(graph.nodes):
@@ -267,6 +270,9 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     failure = _later(failure, (result[0], cand, result[1], set(cand.nodes.values())))
                     continue
                 v, avals = result
+                if pattern.candidate is not None and not pattern.candidate(
+                        avals, {**cand.params, **v.static}):
+                    continue  # not what the pattern is for (not reported)
                 considered.update(v.nodes)
                 for n in v.nodes:
                     verified_by.setdefault(n, set()).add(pattern.name)
@@ -276,7 +282,8 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 params = {**cand.params, **v.static}
                 if reason is None and pattern.specialize is not None:
                     facts = pattern.specialize([cand.args.get(i) for i in range(len(avals))],
-                                               avals, params)
+                                               avals, {**params, ACTIVE_PATTERNS: active,
+                                                       CLAIMED_BY: claimed_by})
                     if isinstance(facts, str):
                         reason = facts
                     else:
@@ -290,6 +297,9 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     reason = frozen
                 if reason is None:
                     reason = _replacement_refuses(m, avals)
+                if reason is None and policy in ("auto", "memory") and pattern.context is not None:
+                    reason = pattern.context([cand.args.get(i) for i in range(len(avals))], avals,
+                                             {**params, ACTIVE_PATTERNS: active, CLAIMED_BY: claimed_by})
                 if reason is None and policy == "memory" and pattern.decide_memory is not None:
                     reason = pattern.decide_memory(avals, params)
                 elif reason is None and policy in ("auto", "memory"):
@@ -301,6 +311,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 if reason is None:
                     plan.add(m)
                     claimed.update(v.nodes)
+                    claimed_by.update((n, pattern.name) for n in v.nodes)
                     failure = None
                     records.append(rec)
                     break

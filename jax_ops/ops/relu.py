@@ -24,7 +24,7 @@ from jax_ops.core.validate import check_broadcastable
 from jax_ops.core.bitmask import MASK_DTYPE, WORD, mask_shape, pack_bits, sharding_policy, unpack_bits
 from jax_ops.core.op import (Impl, Op, Stage, ffi, ffi_supports, match_vma,
                              pallas_supports, vmap_reference)
-from jax_ops.core.pattern import BF16, Formulation, Pattern, accepts_x, sds
+from jax_ops.core.pattern import BF16, CLAIMED_BY, Formulation, Pattern, accepts_x, sds
 from jax_ops.core.validate import ACT_DTYPES
 from jax_ops.core.validate import dtype_name as _fmt_dtype
 from pallas_kernels import relu as pallas_relu
@@ -342,13 +342,44 @@ def _relu_examples(n):
             for d in (jnp.dtype(jnp.float32), BF16)]
 
 
+#: what a conv's output may pass through before a relu that XLA still fuses into the
+#: conv (cuDNN's epilogue: bias, side input, relu)
+_EPILOGUE_STEPS = ("convert_element_type", "add", "add_any")
+
+
+def _after_conv(value, claimed_by, depth=4) -> bool:
+    """Whether `value` (an fx graph Value) is a conv's output, or a folded conv +
+    BatchNorm's (conv_batch_norm took its producer), directly or through up to `depth`
+    converts and adds (a bias, a residual)."""
+    node = getattr(value, "producer", None)
+    if node is None or depth == 0:
+        return False
+    name = node.primitive.name
+    if name == "conv_general_dilated" or claimed_by.get(node) == "conv_batch_norm":
+        return True
+    return name in _EPILOGUE_STEPS and any(_after_conv(v, claimed_by, depth - 1) for v in node.inputs)
+
+
+def _conv_epilogue(args, avals, params):
+    """policy="auto": a relu after a convolution stays XLA's: XLA hands conv + bias
+    (+ residual) + relu to cuDNN as one fused convolution, where a kernel of ours is a
+    pass more (ResNet-50 inference on the H200: 53-60 µs per relu that was free;
+    perf-notes, "Sixth session")."""
+    claimed_by = params.get(CLAIMED_BY) or {}
+    if any(_after_conv(a, claimed_by) for a in args):
+        return "XLA fuses it into the convolution before it (cuDNN's epilogue)"
+    return None
+
+
 def relu_patterns() -> list[Pattern]:
     """add_relu (relu of a sum, z broadcastable), then relu (which it contains)."""
     return [Pattern("add_relu", [Formulation(_add_relu_ref, label="jax.nn.relu(x + z)"),
                                  Formulation(_add_maximum_ref, label="jnp.maximum(x + z, 0)",
                                              replacement=maximum_add_relu_replacement)],
-                    add_relu_replacement, _relu_examples(2), accepts=_add_relu_accepts),
+                    add_relu_replacement, _relu_examples(2), accepts=_add_relu_accepts,
+                    context=_conv_epilogue),
             Pattern("relu", [Formulation(_relu_ref, label="jax.nn.relu"),
                              Formulation(_maximum_ref, label="jnp.maximum(x, 0)",
                                          replacement=maximum_relu_replacement)],
-                    relu_replacement, _relu_examples(1), accepts=accepts_x)]
+                    relu_replacement, _relu_examples(1), accepts=accepts_x,
+                    context=_conv_epilogue)]
