@@ -63,3 +63,40 @@ def hlo_collectives(text: str) -> list[tuple[str, list[int]]]:
 def collectives(fn, *args) -> list[tuple[str, list[int]]]:
     """hlo_collectives of jit(fn)'s compiled HLO for args."""
     return hlo_collectives(jax.jit(fn).lower(*args).compile().as_text())
+
+
+# ------------------------------------------------------- the conv rewrites ---
+
+def conv_params(x_shape, w_shape, strides, padding, dn) -> dict:
+    """conv_general_dilated's params (as a jaxpr equation holds them) for a plain conv."""
+    nsp = len(strides)
+    return dict(window_strides=tuple(strides), padding=tuple(padding), lhs_dilation=(1,) * nsp,
+                rhs_dilation=(1,) * nsp,
+                dimension_numbers=jax.lax.conv_dimension_numbers(x_shape, w_shape, dn),
+                feature_group_count=1, batch_group_count=1, precision=None,
+                preferred_element_type=None)
+
+
+def conv64(x, w, params, ct=None):
+    """The conv in float64 (and its vjp at ct: (dx, dw))."""
+    import numpy as np
+    with jax.enable_x64(True):
+        x64, w64 = (np.asarray(a, np.float64) for a in (x, w))
+        conv = lambda x, w: jax.lax.conv_general_dilated(x, w, **params)  # noqa: E731
+        if ct is None:
+            return np.asarray(conv(x64, w64))
+        return tuple(np.asarray(g) for g in jax.vjp(conv, x64, w64)[1](np.asarray(ct, np.float64)))
+
+
+def rel(a, b) -> float:
+    """‖a − b‖/‖b‖ in float64."""
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture
+def highest_precision():
+    """float32 dots and convs in float32 on a GPU too (its default is TF32)."""
+    with jax.default_matmul_precision("highest"):
+        yield

@@ -11,7 +11,10 @@ import pytest
 
 import jax_ops
 from jax_ops import fx
+from support import conv64, conv_params, highest_precision, rel  # noqa: F401 (a fixture)
 from jax_ops.fx import conv_space_to_depth as s2d
+
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 # (x shape, kernel, strides, padding, dimension numbers)
 CASES = [
@@ -32,34 +35,7 @@ def _case(i, dtype, seed):
     w_shape = [{"O": 8, "I": c}.get(ch) or k["DHW"[3 - len(k):].index(ch)] for ch in dn[1]]
     x = jnp.asarray(rng.standard_normal(shape), dtype)
     w = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(np.prod(k) * c), dtype)
-    params = dict(window_strides=s, padding=pad, lhs_dilation=(1,) * len(k),
-                  rhs_dilation=(1,) * len(k),
-                  dimension_numbers=jax.lax.conv_dimension_numbers(x.shape, w.shape, dn),
-                  feature_group_count=1, batch_group_count=1, precision=None,
-                  preferred_element_type=None)
-    return x, w, params
-
-
-@pytest.fixture(autouse=True)
-def highest_precision():
-    """float32 convs in float32 on a GPU too (its default is TF32)."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
-def _conv64(x, w, params, ct=None):
-    """The conv in float64 (and its vjp at ct)."""
-    with jax.enable_x64(True):
-        x64, w64 = (np.asarray(a, np.float64) for a in (x, w))
-        conv = lambda x, w: jax.lax.conv_general_dilated(x, w, **params)  # noqa: E731
-        if ct is None:
-            return np.asarray(conv(x64, w64))
-        return tuple(np.asarray(g) for g in jax.vjp(conv, x64, w64)[1](np.asarray(ct, np.float64)))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+    return x, w, conv_params(x.shape, w.shape, s, pad, dn)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -72,21 +48,21 @@ def test_regrouped_conv_matches_a_float64_conv(case, dtype):
     fast = jax.jit(jax_ops.optimize(conv, policy="always"))
     y = fast(x, w)
     assert y.shape == conv(x, w).shape and y.dtype == dtype
-    y64 = _conv64(x, w, params)
+    y64 = conv64(x, w, params)
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    assert _rel(y, y64) < tol
+    assert rel(y, y64) < tol
     ct = jnp.asarray(np.random.default_rng(7).standard_normal(y.shape), dtype)
     dx, dw = jax.jit(lambda x, w: jax.vjp(fast, x, w)[1](ct))(x, w)
-    dx64, dw64 = _conv64(x, w, params, ct)
-    assert _rel(dx, dx64) < tol and _rel(dw, dw64) < tol
+    dx64, dw64 = conv64(x, w, params, ct)
+    assert rel(dx, dx64) < tol and rel(dw, dw64) < tol
 
 
 def test_regrouping_one_image_and_empty():
     x, w, params = _case(0, jnp.float32, 3)
     x1 = x[:1, :7]  # one image of 7 rows: (7 + 6 - 7) // 2 + 1 = 4 output rows
     y = s2d.space_to_depth_conv(x1, w, params)
-    ref = _conv64(x1, w, params)
-    assert np.isfinite(np.asarray(y)).all() and _rel(y, ref) < 1e-6
+    ref = conv64(x1, w, params)
+    assert np.isfinite(np.asarray(y)).all() and rel(y, ref) < 1e-6
     empty = jnp.zeros((0, 17, 19, 3), jnp.float32)
     assert s2d.space_to_depth_conv(empty, w, params).shape == (0, 9, 10, 8)
 
@@ -156,7 +132,7 @@ def test_flax_stem_in_training_and_the_fold_at_inference(dtype, monkeypatch):
     g = jax.jit(jax.grad(jax_ops.optimize(loss, policy="always")))(v["params"], x)
     g_ref = jax.grad(loss)(v["params"], x)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-        assert _rel(a, b) < (1e-5 if dtype == jnp.float32 else 3e-2)
+        assert rel(a, b) < (1e-5 if dtype == jnp.float32 else 3e-2)
 
     infer = lambda v, x: m.apply(v, x, False)  # noqa: E731
     # the fold asks conv_space_to_depth's decide afresh: make it decide as on a GPU
@@ -166,6 +142,6 @@ def test_flax_stem_in_training_and_the_fold_at_inference(dtype, monkeypatch):
     assert fold.replaced and fold.params.get("conv_rewrite") == "conv_space_to_depth", recs
     y = jax.jit(jax_ops.optimize(infer, policy="auto"))(v, x)
     y32 = _Stem().apply(jax.tree.map(lambda a: a.astype(jnp.float32), v), x.astype(jnp.float32), False)
-    assert _rel(y, y32) < (1e-5 if dtype == jnp.float32 else 2e-2)
+    assert rel(y, y32) < (1e-5 if dtype == jnp.float32 else 2e-2)
     excl = fx.rewrites(infer, v, x, policy="auto", exclude=["conv_space_to_depth"])
     assert not any(r.params.get("conv_rewrite") for r in excl), excl

@@ -10,7 +10,10 @@ import pytest
 
 import jax_ops
 from jax_ops import fx
+from support import conv64, conv_params, highest_precision, rel  # noqa: F401 (a fixture)
 from jax_ops.fx import pointwise_conv as pw
+
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 # (x shape, strides, padding, dimension numbers)
 CASES = [
@@ -30,34 +33,7 @@ def _case(i, dtype, seed):
     w_shape = [{"O": 8, "I": c}.get(ch, 1) for ch in dn[1]]
     x = jnp.asarray(rng.standard_normal(shape), dtype)
     w = jnp.asarray(rng.standard_normal(w_shape) / np.sqrt(c), dtype)
-    params = dict(window_strides=s, padding=pad, lhs_dilation=(1,) * len(s),
-                  rhs_dilation=(1,) * len(s),
-                  dimension_numbers=jax.lax.conv_dimension_numbers(x.shape, w.shape, dn),
-                  feature_group_count=1, batch_group_count=1, precision=None,
-                  preferred_element_type=None)
-    return x, w, params
-
-
-@pytest.fixture(autouse=True)
-def highest_precision():
-    """float32 dots and convs in float32 on a GPU too (its default is TF32)."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
-def _conv64(x, w, params, ct=None):
-    """The conv in float64 (and its vjp at ct)."""
-    with jax.enable_x64(True):
-        x64, w64 = (np.asarray(a, np.float64) for a in (x, w))
-        conv = lambda x, w: jax.lax.conv_general_dilated(x, w, **params)  # noqa: E731
-        if ct is None:
-            return np.asarray(conv(x64, w64))
-        return tuple(np.asarray(g) for g in jax.vjp(conv, x64, w64)[1](np.asarray(ct, np.float64)))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+    return x, w, conv_params(x.shape, w.shape, s, pad, dn)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -72,22 +48,22 @@ def test_pointwise_dot_matches_a_float64_conv(case, dtype):
     y = fast(x, w)
     assert y.shape == conv(x, w).shape and y.dtype == dtype
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    assert _rel(y, _conv64(x, w, params)) < tol
+    assert rel(y, conv64(x, w, params)) < tol
     ct = jnp.asarray(np.random.default_rng(7).standard_normal(y.shape), dtype)
     dx, dw = jax.jit(lambda x, w: jax.vjp(fast, x, w)[1](ct))(x, w)
-    dx64, dw64 = _conv64(x, w, params, ct)
+    dx64, dw64 = conv64(x, w, params, ct)
     # dw sums over every pixel (K = 646 here); XLA's CPU dot accumulates bfloat16 in
     # bfloat16 (1.0-1.3e-2 against the conv's 1.3-2.1e-3), cuBLAS in float32
     tol_dw = 2e-2 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else tol
-    assert _rel(dx, dx64) < tol and _rel(dw, dw64) < tol_dw
+    assert rel(dx, dx64) < tol and rel(dw, dw64) < tol_dw
 
 
 def test_preferred_element_type_is_kept():
     x, w, params = _case(0, jnp.bfloat16, 2)
     params = {**params, "preferred_element_type": jnp.float32}
     y = pw.pointwise_dot(x, w, params)
-    ref = _conv64(x, w, {**params, "preferred_element_type": None})
-    assert y.dtype == jnp.float32 and _rel(y, ref) < 1e-5
+    ref = conv64(x, w, {**params, "preferred_element_type": None})
+    assert y.dtype == jnp.float32 and rel(y, ref) < 1e-5
 
 
 def test_other_convs_are_not_reported():
@@ -146,7 +122,7 @@ def test_flax_bottleneck_gradients_and_the_fold_keeps_convs(monkeypatch):
     assert [r.pattern for r in recs if r.replaced].count("pointwise_conv") == 3, recs
     g = jax.jit(jax.grad(jax_ops.optimize(loss, policy="always")))(v["params"], x)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(jax.grad(loss)(v["params"], x))):
-        assert _rel(a, b) < 1e-5
+        assert rel(a, b) < 1e-5
     infer = lambda v, x: m.apply(v, x, False)  # noqa: E731
     monkeypatch.setattr(pw, "_decide", lambda avals, params: None)
     recs = fx.rewrites(infer, v, x, policy="always")

@@ -70,3 +70,21 @@ def conv_formulation(x, w, *, conv_general_dilated):
     """A lone conv_general_dilated, the formulation of the conv rewrites (its params
     are the matched equation's)."""
     return conv(x, w, conv_general_dilated)
+
+
+def floating_inputs(avals) -> str | None:
+    """The conv rewrites' `accepts`: x and w of floating dtypes."""
+    for name, a in zip(("x", "w"), avals):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            return f"{name} is {a.dtype}; the rewrite takes floating inputs"
+    return None
+
+
+def on_gpu_only(target: str):
+    """A `decide` for a rewrite measured faster on GPU only (`target`: what it speeds
+    up there); elsewhere the original stays."""
+    def decide(avals, params):
+        if jax.default_backend() != "gpu":
+            return f"not faster on {jax.default_backend()}: the rewrite targets {target}"
+        return None
+    return decide

@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_ops.core.pattern import F32, BF16, Formulation, Pattern, sds
-from jax_ops.fx.conv_layout import (CONV, canonical, conv_formulation, conv_params, from_canonical,
-                                    in_features, kernel_size, plain)
+from jax_ops.fx.conv_layout import (CONV, canonical, conv_formulation, conv_params,
+                                    floating_inputs, from_canonical, in_features, kernel_size,
+                                    on_gpu_only, plain)
 
 #: input channels at most: wider inputs already suit cuDNN's kernels
 MAX_CHANNELS = 4
@@ -111,14 +112,6 @@ def _examples():
     return [(sds((2, 16, 16, 3), d), sds((7, 7, 3, 8), d)) for d in (F32, BF16)]
 
 
-def _accepts(avals):
-    x, w = avals
-    for name, a in (("x", x), ("w", w)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            return f"{name} is {a.dtype}; the rewrite takes floating inputs"
-    return None
-
-
 def _candidate(avals, params):
     """Only strided convs over few input channels are what the pattern is for; other
     convs are not reported."""
@@ -126,20 +119,15 @@ def _candidate(avals, params):
     return unsupported(*shapes) is None and worthwhile(*shapes) is None
 
 
-def _decide(avals, params):
-    """policy="auto": cuDNN's narrow-input kernels are the slow part on GPU; elsewhere
-    keep XLA's conv."""
-    if jax.default_backend() != "gpu":
-        return (f"not faster on {jax.default_backend()}: the regrouping targets cuDNN's "
-                "narrow-input convolutions")
-    return None
+#: policy="auto": cuDNN's narrow-input kernels are the slow part on GPU
+_decide = on_gpu_only("cuDNN's narrow-input convolutions")
 
 
 def patterns() -> list[Pattern]:
     return [Pattern("conv_space_to_depth",
                     [Formulation(conv_formulation, label="lax.conv_general_dilated (strided, few input channels)",
                                  node_params=(CONV,))],
-                    conv_space_to_depth_replacement, _examples(), accepts=_accepts,
+                    conv_space_to_depth_replacement, _examples(), accepts=floating_inputs,
                     candidate=_candidate, decide=_decide,
                     note="strided conv over few input channels as a stride-1 conv over the "
                          "space-to-depth input")]

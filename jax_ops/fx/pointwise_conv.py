@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from jax_ops.core.pattern import F32, BF16, Formulation, Pattern, sds
 from jax_ops.fx.conv_layout import (CONV, canonical, conv_formulation, conv_params,
-                                    from_canonical, kernel_size, plain)
+                                    floating_inputs, from_canonical, kernel_size, on_gpu_only,
+                                    plain)
 
 
 def unsupported(x_shape, w_shape, params) -> str | None:
@@ -67,31 +68,19 @@ def _examples():
     return [(sds((2, 6, 6, 8), d), sds((1, 1, 8, 16), d)) for d in (F32, BF16)]
 
 
-def _accepts(avals):
-    for name, a in zip(("x", "w"), avals):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            return f"{name} is {a.dtype}; the rewrite takes floating inputs"
-    return None
-
-
 def _candidate(avals, params):
     """Only 1x1 convs are what the pattern is for; other convs are not reported."""
     return unsupported(avals[0].shape, avals[1].shape, params.get(CONV)) is None
 
 
-def _decide(avals, params):
-    """policy="auto": on GPU (cuBLAS joins XLA's default CUDA graphs); elsewhere keep
-    XLA's conv."""
-    if jax.default_backend() != "gpu":
-        return (f"not faster on {jax.default_backend()}: the rewrite targets cuDNN convs "
-                "outside XLA's CUDA graphs")
-    return None
+#: policy="auto": on GPU (cuBLAS joins XLA's default CUDA graphs)
+_decide = on_gpu_only("cuDNN convs outside XLA's CUDA graphs")
 
 
 def patterns() -> list[Pattern]:
     return [Pattern("pointwise_conv",
                     [Formulation(conv_formulation, label="lax.conv_general_dilated (1x1 kernel)",
                                  node_params=(CONV,))],
-                    pointwise_conv_replacement, _examples(), accepts=_accepts,
+                    pointwise_conv_replacement, _examples(), accepts=floating_inputs,
                     candidate=_candidate, decide=_decide,
                     note="1x1 conv as a matrix multiplication (cuBLAS)")]
