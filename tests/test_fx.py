@@ -1140,6 +1140,20 @@ def test_relu_after_a_conv_stays_xla_under_auto():
     assert recs and all(fused not in (r.reason or "") for r in recs), recs
 
 
+def test_relu_of_a_small_array_stays_xla_under_auto():
+    """flax BatchNorm's variance clamp, max(var, 0) on C channels, matches relu: under
+    "auto" a relu of fewer than SMALL_ELEMENTS elements stays XLA's (fused into its
+    neighbours); a large one is decided as before; "always" replaces both."""
+    from jax_ops.ops.relu import SMALL_ELEMENTS
+    f = lambda x: jnp.maximum(x, 0.0)  # noqa: E731
+    small, large = _x((SMALL_ELEMENTS - 1,)), _x((SMALL_ELEMENTS // 128, 128))
+    [rec] = fx.rewrites(f, small)
+    assert not rec.replaced and "elements: XLA fuses it into its neighbours" in rec.reason, rec
+    [rec] = fx.rewrites(f, large)
+    assert "elements" not in (rec.reason or ""), rec
+    assert all(r.replaced for x in (small, large) for r in fx.rewrites(f, x, policy="always"))
+
+
 def test_conv_batch_norm_with_conv_bias_strides_and_padding():
     class M(nn.Module):
         @nn.compact

@@ -360,14 +360,23 @@ def _after_conv(value, claimed_by, depth=4) -> bool:
     return name in _EPILOGUE_STEPS and any(_after_conv(v, claimed_by, depth - 1) for v in node.inputs)
 
 
-def _conv_epilogue(args, avals, params):
+#: fewer elements than this: XLA's relu, fused into its neighbours, costs nothing,
+#: a kernel of ours is a launch (flax BatchNorm's variance clamp, max(var, 0), on C
+#: channels matched `relu` in ResNet-50's training step)
+SMALL_ELEMENTS = 1 << 16
+
+
+def _context(args, avals, params):
     """policy="auto": a relu after a convolution stays XLA's: XLA hands conv + bias
     (+ residual) + relu to cuDNN as one fused convolution, where a kernel of ours is a
     pass more (ResNet-50 inference on the H200: 53-60 µs per relu that was free;
-    perf-notes, "Sixth session")."""
+    perf-notes, "Sixth session"); so does a relu of a small array."""
     claimed_by = params.get(CLAIMED_BY) or {}
     if any(_after_conv(a, claimed_by) for a in args):
         return "XLA fuses it into the convolution before it (cuDNN's epilogue)"
+    size = max(math.prod(a.shape) for a in avals if a is not None)
+    if size < SMALL_ELEMENTS:
+        return f"{size} elements: XLA fuses it into its neighbours (a kernel of ours is a launch)"
     return None
 
 
@@ -377,9 +386,9 @@ def relu_patterns() -> list[Pattern]:
                                  Formulation(_add_maximum_ref, label="jnp.maximum(x + z, 0)",
                                              replacement=maximum_add_relu_replacement)],
                     add_relu_replacement, _relu_examples(2), accepts=_add_relu_accepts,
-                    context=_conv_epilogue),
+                    context=_context),
             Pattern("relu", [Formulation(_relu_ref, label="jax.nn.relu"),
                              Formulation(_maximum_ref, label="jnp.maximum(x, 0)",
                                          replacement=maximum_relu_replacement)],
                     relu_replacement, _relu_examples(1), accepts=accepts_x,
-                    context=_conv_epilogue)]
+                    context=_context)]
