@@ -1135,9 +1135,19 @@ def test_relu_after_a_conv_stays_xla_under_auto():
     xs = _x((2, 6, 6, 8), seed=6)
     recs = [r for r in fx.rewrites(conv_relu, xs, w, b) if r.pattern in ("relu", "add_relu")]
     assert recs and all(not r.replaced and fused in r.reason for r in recs), recs
-    recs = [r for r in fx.rewrites(lambda x: jax.nn.relu(x @ x.T + 1.0), _x((4, 4), seed=7))
+    # four adds (bias, residual...) between the conv and the relu: still its epilogue
+    def four_adds(x, w, b):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + b + b + b + b)
+    big = _x((4, 64, 64, 8), seed=8)  # above the small-array rule
+    recs = [r for r in fx.rewrites(four_adds, big, w, b) if r.pattern in ("relu", "add_relu")]
+    assert recs and all(fused in r.reason for r in recs), recs
+    # a large relu after a matmul is decided as before (CPU: not faster)
+    y = _x((300, 300), seed=7)
+    recs = [r for r in fx.rewrites(lambda x: jax.nn.relu(x @ x.T + 1.0), y)
             if r.pattern in ("relu", "add_relu")]
-    assert recs and all(fused not in (r.reason or "") for r in recs), recs
+    assert recs and all(fused not in (r.reason or "") and "elements" not in (r.reason or "")
+                        for r in recs), recs
 
 
 def test_relu_of_a_small_array_stays_xla_under_auto():

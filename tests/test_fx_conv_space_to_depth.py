@@ -91,6 +91,10 @@ def test_convs_it_is_not_for_are_not_reported():
         recs = fx.rewrites(f, x, w, policy="always", patterns=["conv_space_to_depth"])
         assert list(recs) == [], (label, recs)
     assert s2d.unsupported((2, 8, 8, 3), (3, 3, 3, 4), None) == "stride 1 (nothing to regroup)"
+    p4 = {**s2d.conv_params(None), "window_strides": (2,) * 4,
+          "dimension_numbers": jax.lax.ConvDimensionNumbers((0, 5, 1, 2, 3, 4), (5, 4, 0, 1, 2, 3),
+                                                            (0, 5, 1, 2, 3, 4))}
+    assert "4 spatial dimensions" in s2d.unsupported((1, 4, 4, 4, 4, 3), (3, 3, 3, 3, 3, 4), p4)
     p2 = {**s2d.conv_params(None), "window_strides": (2, 2)}
     assert "1x1 kernel" in s2d.unsupported((2, 8, 8, 3), (1, 1, 3, 4), p2)
     with pytest.raises(ValueError, match="stride 1"):

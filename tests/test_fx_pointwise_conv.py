@@ -123,10 +123,29 @@ def test_flax_bottleneck_gradients_and_the_fold_keeps_convs(monkeypatch):
     g = jax.jit(jax.grad(jax_ops.optimize(loss, policy="always")))(v["params"], x)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(jax.grad(loss)(v["params"], x))):
         assert rel(a, b) < 1e-5
+    # inference under "auto" with pointwise_conv deciding as on a GPU: the fold (of higher
+    # priority) takes every conv and computes none of them as a dot
     infer = lambda v, x: m.apply(v, x, False)  # noqa: E731
     monkeypatch.setattr(pw, "_decide", lambda avals, params: None)
-    recs = fx.rewrites(infer, v, x, policy="always")
+    recs = fx.rewrites(infer, v, x, policy="auto")
     folds = [r for r in recs if r.pattern == "conv_batch_norm"]
     assert len(folds) == 4 and all(r.replaced for r in folds), recs
     assert not any(r.params.get("conv_rewrite") for r in folds), recs
-    assert "pointwise_conv" not in {r.pattern for r in recs}, recs
+    g = fx.trace(jax_ops.optimize(infer, policy="auto"), v, x)
+    assert sum(n.name == "conv_general_dilated" for _, n in g.walk()) == 4
+    assert not any(n.name == "dot_general" for _, n in g.walk())
+    # without the fold the 1x1 convs do become dots
+    g = fx.trace(jax_ops.optimize(infer, policy="always", exclude=["conv_batch_norm"]), v, x)
+    assert sum(n.name == "conv_general_dilated" for _, n in g.walk()) == 1
+
+
+def test_integer_convs_are_not_reported():
+    """An int8 conv is a candidate of neither conv rewrite (stride 1, 3x3, 16 channels:
+    nothing to report), and a 1x1 int8 conv is refused with its dtype."""
+    x = jnp.ones((2, 8, 8, 16), jnp.int8)
+    dn = ("NHWC", "HWIO", "NHWC")
+    f = lambda x, w: jax.lax.conv_general_dilated(  # noqa: E731
+        x, w, (1, 1), "SAME", dimension_numbers=dn, preferred_element_type=jnp.int32)
+    assert list(fx.rewrites(f, x, jnp.ones((3, 3, 16, 8), jnp.int8), policy="always")) == []
+    [rec] = fx.rewrites(f, x, jnp.ones((1, 1, 16, 8), jnp.int8), policy="always")
+    assert rec.pattern == "pointwise_conv" and not rec.replaced and "int8" in rec.reason, rec

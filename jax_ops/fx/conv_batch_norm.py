@@ -109,7 +109,7 @@ def fold_replacement(x, w, conv_bias, scale, bias, mean, var, *, epsilon, out_dt
     if bias is not None:
         b = b + bias.astype(jnp.float32)
     if conv_rewrite is not None:
-        y = _CONV_REWRITES[conv_rewrite](x, w_folded, p)
+        y = _CONV_REWRITES[conv_rewrite][1](x, w_folded, p)
     else:
         y = jax.lax.conv_general_dilated(x, w_folded, **p)
     if y.dtype == out_dtype:
@@ -126,7 +126,8 @@ def fold_replacement(x, w, conv_bias, scale, bias, mean, var, *, epsilon, out_dt
 #: than cuDNN's fused convs (H100, inference: 2.40 ms of kernels with convs, 2.58 with the
 #: 1x1 convs not feeding a residual add as GEMMs, 2.96 with all of them; perf-notes,
 #: "Sixth session").
-_CONV_REWRITES = {"conv_space_to_depth": conv_space_to_depth.space_to_depth_conv}
+_CONV_REWRITES = {"conv_space_to_depth": (conv_space_to_depth.patterns,
+                                           conv_space_to_depth.space_to_depth_conv)}
 
 
 def _specialize(args, avals, params):
@@ -134,10 +135,10 @@ def _specialize(args, avals, params):
     under policy="auto" (they overlap at an inference conv, and the fold, of higher
     priority, takes it), unless optimize's patterns/exclude leave it out."""
     conv = {CONV: params.get(CONV)}
-    for name in _CONV_REWRITES:
+    for name, (patterns_of, _) in _CONV_REWRITES.items():
         if name not in params.get(ACTIVE_PATTERNS, ()):
             continue
-        pattern = conv_space_to_depth.patterns()[0]
+        [pattern] = [q for q in patterns_of() if q.name == name]
         if (pattern.candidate(avals[:2], conv) and pattern.accepts(avals[:2]) is None
                 and pattern.decide(avals[:2], conv) is None):
             return {"conv_rewrite": name}

@@ -44,7 +44,10 @@ def unsupported(x_shape, w_shape, params) -> str | None:
     why = plain(x_shape, w_shape, params)
     if why:
         return why
-    if all(s == 1 for s in conv_params(params)["window_strides"]):
+    strides = conv_params(params)["window_strides"]
+    if len(strides) > 3:
+        return f"{len(strides)} spatial dimensions (at most 3)"
+    if all(s == 1 for s in strides):
         return "stride 1 (nothing to regroup)"
     if all(k == 1 for k in kernel_size(w_shape, params)):
         return "a 1x1 kernel (pointwise_conv's: regrouped, most weights would be zeros)"

@@ -207,18 +207,21 @@ def _retrace(formulation, avals: tuple, kwargs: tuple, n_outputs: int):
 
 
 def _verify(pattern, cand: M.Candidate, graph: Graph):
-    """(Verified, static) or a reason string."""
+    """(Verified, avals), (stage, reason), or None where the match is not what the
+    pattern is for (`Pattern.candidate`: neither replaced nor reported)."""
     t = cand.template
     nargs = len(pattern.example_args[0])
     avals = M.avals_of(cand.args, nargs, t.none_args)
+    # the params of the matched equations the formulation takes (a conv's strides...)
+    node_kw = {tn.name: tuple(sorted(gn.params.items())) for tn, gn in cand.nodes.items()
+               if tn.name in t.formulation.node_params}
+    if pattern.candidate is not None and not pattern.candidate(avals, {**cand.params, **node_kw}):
+        return None
     why = pattern.accepts(avals)
     if why:
         return 0, why
     out_aval = cand.anchor.outputs[t.output.index].aval
     best = None
-    # the params of the matched equations the formulation takes (a conv's strides...)
-    node_kw = {tn.name: tuple(sorted(gn.params.items())) for tn, gn in cand.nodes.items()
-               if tn.name in t.formulation.node_params}
     for static in t.formulation.static(avals, out_aval):
         static = {**node_kw, **static}
         try:
@@ -266,13 +269,12 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                     failure = _later(failure, (1, cand, cand.conflict, set(cand.nodes.values())))
                     continue
                 result = _verify(pattern, cand, graph)
+                if result is None:
+                    continue  # not what the pattern is for (not reported)
                 if isinstance(result[0], int):  # (stage, reason): the inputs don't fit
                     failure = _later(failure, (result[0], cand, result[1], set(cand.nodes.values())))
                     continue
                 v, avals = result
-                if pattern.candidate is not None and not pattern.candidate(
-                        avals, {**cand.params, **v.static}):
-                    continue  # not what the pattern is for (not reported)
                 considered.update(v.nodes)
                 for n in v.nodes:
                     verified_by.setdefault(n, set()).add(pattern.name)

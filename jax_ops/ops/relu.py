@@ -352,12 +352,13 @@ def _after_conv(value, claimed_by, depth=4) -> bool:
     BatchNorm's (conv_batch_norm took its producer), directly or through up to `depth`
     converts and adds (a bias, a residual)."""
     node = getattr(value, "producer", None)
-    if node is None or depth == 0:
+    if node is None:
         return False
     name = node.primitive.name
     if name == "conv_general_dilated" or claimed_by.get(node) == "conv_batch_norm":
         return True
-    return name in _EPILOGUE_STEPS and any(_after_conv(v, claimed_by, depth - 1) for v in node.inputs)
+    return (depth > 0 and name in _EPILOGUE_STEPS
+            and any(_after_conv(v, claimed_by, depth - 1) for v in node.inputs))
 
 
 #: fewer elements than this: XLA's relu, fused into its neighbours, costs nothing,
