@@ -246,8 +246,7 @@ def _verify(pattern, cand: M.Candidate, graph: Graph):
 def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str = "",
                frozen: str | None = None) -> Plan:
     plan = Plan()
-    claimed: set = set()
-    claimed_by: dict = {}  # node -> the name of the pattern whose replacement took it
+    claimed: dict = {}  # node -> the name of the pattern whose replacement took it
     considered: set = set()  # nodes of verified candidates: their bodies are not searched
     failed: list = []   # (pattern name, node set) of recorded failures: no duplicates
     failures: list = []  # (record, anchor, stage, nodes) of near misses
@@ -263,7 +262,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 cand = M.structural(t, node)
                 if cand is None or _broadcast_input(pattern, cand) or M.input_from_match(cand):
                     continue
-                if claimed & set(cand.nodes.values()):
+                if claimed.keys() & set(cand.nodes.values()):
                     continue
                 if cand.conflict:
                     failure = _later(failure, (1, cand, cand.conflict, set(cand.nodes.values())))
@@ -278,19 +277,19 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 considered.update(v.nodes)
                 for n in v.nodes:
                     verified_by.setdefault(n, set()).add(pattern.name)
-                if claimed & set(v.nodes):
+                if claimed.keys() & set(v.nodes):
                     continue
                 reason = M.escaping_intermediate(v, graph)
                 params = {**cand.params, **v.static}
+                graph_args = [cand.args.get(i) for i in range(len(avals))]
+                in_graph = {ACTIVE_PATTERNS: active, CLAIMED_BY: claimed}  # specialize/context only
                 if reason is None and pattern.specialize is not None:
-                    facts = pattern.specialize([cand.args.get(i) for i in range(len(avals))],
-                                               avals, {**params, ACTIVE_PATTERNS: active,
-                                                       CLAIMED_BY: claimed_by})
+                    facts = pattern.specialize(graph_args, avals, {**params, **in_graph})
                     if isinstance(facts, str):
                         reason = facts
                     else:
                         params.update(facts)
-                m = Match(pattern, [cand.args.get(i) for i in range(len(avals))], params,
+                m = Match(pattern, graph_args, params,
                           v.outputs, [np.dtype(o.aval.dtype) for o in v.outputs], v.nodes,
                           t.formulation)
                 if reason is None:
@@ -300,8 +299,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 if reason is None:
                     reason = _replacement_refuses(m, avals)
                 if reason is None and policy in ("auto", "memory") and pattern.context is not None:
-                    reason = pattern.context([cand.args.get(i) for i in range(len(avals))], avals,
-                                             {**params, ACTIVE_PATTERNS: active, CLAIMED_BY: claimed_by})
+                    reason = pattern.context(graph_args, avals, {**params, **in_graph})
                 if reason is None and policy == "memory" and pattern.decide_memory is not None:
                     reason = pattern.decide_memory(avals, params)
                 elif reason is None and policy in ("auto", "memory"):
@@ -312,8 +310,7 @@ def plan_graph(graph: Graph, patterns, policy: str, records: list, context: str 
                 rec = _record(pattern, t, node, shown, v.nodes, reason, context)
                 if reason is None:
                     plan.add(m)
-                    claimed.update(v.nodes)
-                    claimed_by.update((n, pattern.name) for n in v.nodes)
+                    claimed.update((n, pattern.name) for n in v.nodes)
                     failure = None
                     records.append(rec)
                     break
