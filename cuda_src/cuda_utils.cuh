@@ -278,11 +278,11 @@ __device__ __forceinline__ const V* cluster_map(const V* p, int rank) {
 }
 
 // ------------------------------------- bulk copies into shared memory (sm_90) ---
-// A long row is staged whole in shared memory by one asynchronous bulk copy (the
-// Hopper TMA engine, no tensor map: a contiguous run of bytes, 16-byte aligned, a
-// multiple of 16 bytes), its completion counted in bytes on an mbarrier. The loads stay
-// in flight while the block reduces and writes earlier rows, which registers cannot
-// hold. sm_90 and later only; older targets trap (their launchers never pick them).
+// Rows are staged in shared memory by asynchronous bulk copies (the Hopper TMA engine,
+// no tensor map: contiguous runs of bytes, 16-byte aligned, multiples of 16 bytes), their
+// completion counted in bytes on an mbarrier. The loads stay in flight while the block
+// reduces and writes earlier rows, which registers cannot hold. sm_90 and later only;
+// older targets trap (their launchers never pick them).
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }

@@ -401,8 +401,6 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
   }
 }
 
-constexpr int kBulkBarrierBytes = 128;  // room for 16 mbarriers: the bulk tiers' stages
-
 template <typename T, typename P, int PACK, bool CACHE, typename L>
 __global__ void fwd_block_kernel(typename L::Args a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -691,6 +689,7 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
 // With one pack a thread, two blocks of up to 512 threads an SM: 64 registers (ptxas
 // took more otherwise, one block fit, and 2048-4096 columns ran 5-10 % slower than the
 // register kernel); with more, 64 registers spill, so one block.
+constexpr int kBulkBarrierBytes = 128;  // room for 16 mbarriers, one a stage
 constexpr int kBwdBulkMaxThreads = 512;
 constexpr int kBwdBulkMinCols = 4096;
 template <typename T, typename P, int PACK, int K, typename S>
@@ -741,9 +740,9 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
     mean_n = a.rms ? 0.f : a.mean[sp.first_row];
     rstd_n = a.rstd[sp.first_row];
   }
-  int stage = 0, parity = 0;
+  int stage = 0;
   uint32_t phase = 0;
-  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step) {
     const float mean = mean_n, rstd = rstd_n;
     if (row + sp.step < a.rows) {
       mean_n = a.rms ? 0.f : a.mean[row + sp.step];
@@ -759,7 +758,7 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
     }
     const int64_t next = row + int64_t(stages) * sp.step;
     const int cur = stage;
-    bwd_block_row<T, PACK, K, false>(a, store, sp, row, mean, rstd, xc, dc, sc, ds, db, parity, [&] {
+    bwd_block_row<T, PACK, K, false>(a, store, sp, row, mean, rstd, xc, dc, sc, ds, db, 0, [&] {
       if (issuer && next < a.rows) fill(cur, next);
     });
     if (++stage == stages) { stage = 0; phase ^= 1u; }
@@ -1049,13 +1048,13 @@ inline int bwd_bulk_stages() {
   return stages >= 2 && stages <= kBulkBarrierBytes / 8 ? stages : 0;
 }
 
-// The bulk kernel's grid when it applies: 16-byte packs, sm_90 code and device, its
-// shared memory granted.
+// The bulk kernel's grid of blocks of `threads` (<= kBwdBulkMaxThreads) when it applies:
+// sm_90 code and device, its shared memory granted.
 template <typename T, typename P, int PACK, int K, typename S>
 bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* smem) {
   const int stages = bwd_bulk_stages();
   auto kernel = bwd_bulk_kernel<T, P, PACK, K, S>;
-  if (stages == 0 || threads > kBwdBulkMaxThreads || !clusters_supported(kernel)) return false;
+  if (stages == 0 || !clusters_supported(kernel)) return false;
   *smem = kBulkBarrierBytes + size_t(stages) * 2 * K * size_t(threads) * sizeof(Pack<T, PACK>);
   int blocks = 0;
   if (allow_smem(kernel, *smem) != cudaSuccess || resident_blocks(kernel, threads, *smem, a.rows, &blocks) != cudaSuccess) {
