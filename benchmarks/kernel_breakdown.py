@@ -1,6 +1,7 @@
 """Per-kernel CUPTI times of one op's forward and backward (where the time goes).
 
     python3 benchmarks/kernel_breakdown.py OP DTYPE ROWS COLS [IMPL ...]
+    (env MODES: comma list of fwd, bwd, step, fwd_res; default fwd,bwd)
 
 For each implementation and stage (fwd; bwd from the saved residuals) this runs K
 rotated input sets in one call (as jax_ops.bench does, >= 512 MB touched a call),
@@ -8,6 +9,7 @@ times every kernel with CUPTI (`profiler.measure(aggregate=False)`), and prints 
 kernel's median time per set, next to the stage's byte floor at a same-bytes copy's
 speed. GPU only.
 """
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -40,7 +42,7 @@ def main() -> None:
     impls = sys.argv[5:] or ["cuda", "pallas", "xla", "flax"]
     dtype = bench.DTYPES[dtype_name]
     print(f"{op} {dtype_name} rows={rows} cols={cols} on {jax.devices()[0].device_kind}")
-    for mode in ("fwd", "bwd"):
+    for mode in os.environ.get("MODES", "fwd,bwd").split(","):
         nbytes = bench.min_bytes(op, mode, rows, cols, dtype)
         k = bench.num_sets(nbytes, 512 * bench.MB, 20 * bench.GB, 48)
         sets = bench.make_sets(op, dtype, rows, cols, k, with_dy=True, seed=0)

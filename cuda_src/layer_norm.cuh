@@ -26,6 +26,7 @@
 // StoreDxAddDh: dx + dh), so every tier serves both with no copied kernels.
 #pragma once
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <type_traits>
 #include "cuda_src/common.h"
 #include "cuda_src/cuda_utils.cuh"
@@ -945,7 +946,14 @@ inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k) {
 
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
-  if (a.cols <= fwd_regs_max_cols<T, PACK>()) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
+  // With a residual, rows over 4 KiB go to the block tier: the warp tier's 8 KiB rows
+  // (x and residual loads in flight, 172 registers, 8 warps an SM) measured 70 % of
+  // copy (knob JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES, bytes of a row).
+  static const int add_regs_max_bytes = env_knob("JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES", kFwdRegsMaxBytes / 2);
+  const int64_t regs_max_cols = std::is_same_v<L, LoadAdd<T>>
+      ? std::min<int64_t>(fwd_regs_max_cols<T, PACK>(), add_regs_max_bytes / int64_t(sizeof(T)))
+      : fwd_regs_max_cols<T, PACK>();
+  if (a.cols <= regs_max_cols) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
   if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK, L>(a, stream);
   return launch_fwd_block<T, P, PACK, L>(a, stream);
 }

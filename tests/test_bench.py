@@ -165,6 +165,25 @@ def test_two_output_op_gets_a_cotangent_per_result():
     assert bench.min_bytes("add_layer_norm", "fwd", 64, 96, "f32") == 4 * 64 * 96 * 4 + 2 * 96 * 4
 
 
+@pytest.mark.parametrize("impl", ["flax", "cuda", "xla"])
+def test_step_returns_add_norms_shared_gradient_once(impl):
+    """add+norm's dx and dresidual are one array: the step returns it once, so XLA
+    does not copy it into a second output (a read and a write of x that no model pays),
+    and the compiled step has no copy of an activation-sized array."""
+    (x, params, dy) = bench.make_sets("add_layer_norm", jnp.float32, 16, 48, 1, True, seed=3)[0]
+    fn = bench.make_op("add_layer_norm", impl, jnp.float32)
+    (args,) = bench.mode_args(fn, "step", [(x, params, dy)])
+    f = jax.jit(bench.per_set_fn(fn, "step"))
+    (y, h), *grads = f(*args)
+    assert [g.shape for g in grads] == [(16, 48), (48,), (48,)]  # dx (= dresidual), dscale, dbias
+    ref = jax.vjp(fn, x, *params)[1](dy)
+    np.testing.assert_allclose(grads[0], ref[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(ref[0], ref[1])
+    hlo = f.lower(*args).compile().as_text()
+    copies = [line for line in hlo.splitlines() if " copy(" in line and "[16,48]" in line]
+    assert not copies, copies
+
+
 # ----------------------------------------------------------------- charts ----
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -41,6 +41,18 @@ def _vjp(fn: Callable, x, params, diff_params: bool):
     return jax.vjp(lambda x: fn(x, *params), x)
 
 
+def _distinct(grads: tuple) -> tuple:
+    """grads without repeats of one array: add+norm's dx and dresidual are the same
+    value, and a jitted function that returns one array twice makes XLA copy it (a
+    read and a write of x that no model pays, where the two feed their consumers)."""
+    seen, out = set(), []
+    for g in grads:
+        if id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return tuple(out)
+
+
 def per_set_fn(fn: Callable, mode: str, diff_params: bool = True) -> Callable:
     """The function applied to one input set (see mode_args for its arguments)."""
     if mode == "fwd":
@@ -50,10 +62,10 @@ def per_set_fn(fn: Callable, mode: str, diff_params: bool = True) -> Callable:
             y, vjp_fn = _vjp(fn, x, params, diff_params)
             if mode == "step":  # dy known only once y is: a training step's order
                 y, dy = jax.lax.optimization_barrier((y, dy))
-            return (y, *vjp_fn(dy))
+            return (y, *_distinct(vjp_fn(dy)))
         return fwd_bwd
     if mode == "bwd":
-        return lambda vjp_fn, dy: vjp_fn(dy)
+        return lambda vjp_fn, dy: _distinct(vjp_fn(dy))
     if mode == "fwd_res":  # the forward of a training step: y and what the VJP keeps
         return lambda x, params: _vjp(fn, x, params, diff_params)
     raise ValueError(f"unknown mode {mode!r}")
