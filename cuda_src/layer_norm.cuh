@@ -4,7 +4,8 @@
 // Forward tiers, by row length (cols):
 //   row <= 8 KiB : a group of WIDTH lanes (1..32) per row, row held in registers;
 //                  groups narrower than a warp take two rows at a time.
-//   <= 4096 packs: a block per row, row in registers (up to 8 packs a thread).
+//   <= 4096 packs: a block per row, row in registers (up to 4 packs a thread, up to
+//                  1024 threads; with a residual, rows over 4 KiB).
 //   longer rows  : a block per row, row cached in shared memory, or read twice
 //                  from global memory when shared memory cannot hold it.
 // Backward tiers:
@@ -933,8 +934,8 @@ cudaError_t launch_fwd_block(const FwdAddArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Block-per-row in registers: up to 8 packs a thread (at most 512 threads then,
-// so 64 registers of row data never spill): rows of up to 4096 packs.
+// Block-per-row in registers: rows of up to 4096 packs (4 packs a thread at 1024
+// threads; 8 at 512 by knob: 64 registers of row data, which never spill).
 constexpr int64_t kFwdBlockRegsMaxVec = 4096;
 
 template <typename T, typename P, int PACK, int K, typename L>
