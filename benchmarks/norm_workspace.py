@@ -50,7 +50,7 @@ def main():
                                                   dscale=True, dbias=not rms)
             t_ours, t_flax = temp(ours, shape, dtype, len(names)), temp(flax_f, shape, dtype, len(names))
             r = dict(op=op, shape=shape, dtype=dtype.name, workspace_rows=ws,
-                     workspace_bytes=None if ws is None else 2 * ws * cols * 4,
+                     workspace_bytes=None if ws is None else (1 if rms else 2) * ws * cols * 4,
                      temp_ours=t_ours, temp_flax=t_flax, input_bytes=rows * cols * dtype.itemsize)
             rows_out.append(r)
             print(f"{op:10} {str(shape):>14} {ws!s:>8} {(r['workspace_bytes'] or 0) / MiB:7.2f} "

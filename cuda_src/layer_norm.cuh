@@ -1012,7 +1012,8 @@ cudaError_t launch_fwd(const FwdAddArgs& a, cudaStream_t stream) {
 }
 
 // Backward: dscale/dbias partials go to the XLA-allocated workspace a.work
-// ([2, work_rows, cols] float32); grids are capped at work_rows blocks. Every
+// ([arrays, work_rows, cols] float32: dscale's then dbias's, those wanted); grids
+// are capped at work_rows blocks. Every
 // launcher takes `plan`: when not null nothing runs and *plan gets the number of
 // partial rows the call would write (0 without dscale/dbias), which sizes the
 // workspace at lowering time (norm_bwd_partial_rows).
@@ -1031,7 +1032,7 @@ inline cudaError_t partial_buffers(const BwdArgs& a, int64_t nparts, float** ds,
   if (!wants_param_grads(a)) return cudaSuccess;
   if (a.work == nullptr || nparts > a.work_rows) return cudaErrorInvalidValue;
   if (a.dscale) *ds = a.work;
-  if (a.dbias) *db = a.work + a.work_rows * a.cols;
+  if (a.dbias) *db = a.work + (a.dscale ? a.work_rows * a.cols : 0);  // [arrays, P, cols]
   return cudaSuccess;
 }
 
@@ -1266,7 +1267,7 @@ cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan =
 //                  and walks a chunk of rows.
 //   bwd partials : as partials, Σg and Σg·x̂ per row.
 //   bwd apply    : column-tiled dx, with the dscale/dbias partials of its rows in
-//                  registers, reduced per block into the [2, P, cols] workspace and
+//                  registers, reduced per block into the [arrays, P, cols] workspace and
 //                  summed over P by sum_partials_kernel (fixed order, no atomics).
 // 16-byte packs where cols and every pointer allow it, else scalars.
 // =====================================================================================
@@ -1445,7 +1446,7 @@ cudaError_t launch_bwd_apply_as(const BwdApplyArgs& a, cudaStream_t stream) {
   const TileGrid g = tile_grid(a.rows, a.cols / PACK, partials ? a.work_rows : INT64_MAX);
   if (!partials) return launch_cols_tiled<BwdApplyPolicy<T, P, PACK, DH, false>>(a, g, nullptr, nullptr, stream);
   float* ds = a.dscale != nullptr ? a.work : nullptr;
-  float* db = a.dbias != nullptr ? a.work + a.work_rows * a.cols : nullptr;
+  float* db = a.dbias != nullptr ? a.work + (ds != nullptr ? a.work_rows * a.cols : 0) : nullptr;
   cudaError_t err = launch_cols_tiled<BwdApplyPolicy<T, P, PACK, DH, true>>(a, g, ds, db, stream);
   if (err != cudaSuccess) return err;
   return launch_sum_partials<float>(ds, db, g.chunks, a.cols, a.dscale, a.dbias, stream);

@@ -100,6 +100,13 @@ ffi::ErrorOr<FwdAddArgs> fwd_args(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi
                     add ? residual.untyped_data() : nullptr, add ? h.untyped_data() : nullptr};
 }
 
+// Rows P of the [arrays, P, cols] float32 workspace: one array for each of dscale and
+// dbias that is wanted (dscale's first).
+int64_t partial_rows(ffi::AnyBuffer work, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias, int64_t cols) {
+  const int64_t arrays = (dscale.element_count() ? 1 : 0) + (dbias.element_count() ? 1 : 0);
+  return arrays && cols ? int64_t(work.element_count()) / (arrays * cols) : 0;
+}
+
 ffi::ErrorOr<BwdAddArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer x,
                                ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::AnyBuffer scale,
                                ffi::AnyBuffer dx, ffi::AnyBuffer dscale, ffi::AnyBuffer dbias,
@@ -125,7 +132,7 @@ ffi::ErrorOr<BwdAddArgs> bwd_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::Any
     return ffi::Error::InvalidArgument(std::string("dbias (") + dtype_name(dbias.element_type()) +
                                        ") must have scale's dtype (" + dtype_name(scale.element_type()) + ")");
   JO_RETURN_IF_ERROR(expect_f32(work, "workspace"));
-  const int64_t work_rows = int64_t(work.element_count()) / (2 * cols);
+  const int64_t work_rows = partial_rows(work, dscale, dbias, cols);
   if ((dscale.element_count() || dbias.element_count()) && rows > 0 && work_rows < 1)
     return ffi::Error::InvalidArgument("workspace too small for the dscale/dbias partials");
   return BwdAddArgs{{dy.untyped_data(), x.untyped_data(),
@@ -371,7 +378,7 @@ ffi::ErrorOr<BwdApplyArgs> bwd_apply_args(ffi::AnyBuffer dy, ffi::AnyBuffer dh, 
   JO_RETURN_IF_ERROR(expect_f32(dbias, "dbias"));
   JO_RETURN_IF_ERROR(expect_f32(work, "workspace"));
   if (!(inv_n > 0.f)) return ffi::Error::InvalidArgument("inv_n (1 / the row length) must be > 0");
-  const int64_t work_rows = int64_t(work.element_count()) / (2 * cols);
+  const int64_t work_rows = partial_rows(work, dscale, dbias, cols);
   if ((dscale.element_count() || dbias.element_count()) && rows > 0 && work_rows < 1)
     return ffi::Error::InvalidArgument("workspace too small for the dscale/dbias partials");
   return BwdApplyArgs{dy.untyped_data(), ptr_or_null<const void*>(dh), x.untyped_data(),
@@ -565,7 +572,7 @@ ffi::Error NormBwdApplyCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuff
 }  // namespace
 
 #ifdef JAX_OPS_WITH_CUDA
-// The partial rows ([2, P, cols] workspace) the CUDA backward writes on the current
+// The partial rows ([arrays, P, cols] workspace) the CUDA backward writes on the current
 // device for these operands: its launchers' dry run, so the workspace XLA allocates
 // is the grid's (resident blocks), known at lowering. -1 when it cannot be asked (no
 // device, unsupported dtypes). rows < 0: unknown (symbolic), the largest grid.

@@ -235,7 +235,8 @@ def _static_rows(x_shape):
 
 def cuda_workspace_rows(x_shape, x_dtype, param_dtype, *, rms, add, dscale, dbias,
                         platform="cuda") -> int:
-    """Rows P of the CUDA backward's [2, P, cols] float32 dscale/dbias partials.
+    """Rows P of the CUDA backward's [arrays, P, cols] float32 dscale/dbias partials (an
+    array for each of dscale and dbias that is wanted).
 
     On a GPU: the grid the backward launches there (its resident blocks or clusters),
     asked of the extension's launchers at lowering, so the workspace holds exactly the
@@ -365,7 +366,7 @@ def _workspace(call, operands, params):
     pdtype = scale.dtype if scale is not None else (dbias or _F32)
     p = cuda_workspace_rows(x.shape, x.dtype, pdtype, rms=params["rms"], add=dh is not None,
                             dscale=bool(dscale), dbias=bool(dbias), platform=call.platform)
-    return core.ShapedArray((2, p, x.shape[-1]), _F32)
+    return core.ShapedArray((bool(dscale) + bool(dbias), p, x.shape[-1]), _F32)
 
 
 def _pallas_configs(q):
@@ -560,7 +561,8 @@ BWD_APPLY = Stage("norm_bwd_apply", "bwd_apply",
 
 
 def _apply_workspace(call, operands, params):
-    """[2, P, cols] float32 partials of the column-tiled dscale/dbias kernel: its row
+    """[arrays, P, cols] float32 partials of the column-tiled dscale/dbias kernel (an array
+    for each of dscale and dbias wanted): its row
     chunks fill the GPU about 8 times over with 32-lane column tiles (cuda_utils.cuh,
     tile_grid), so at most 8 * 264 / tiles (264: twice an H100's SMs, the margin for
     larger GPUs; the kernel caps its chunks at P either way). CPU: no partials, 1 row."""
@@ -573,7 +575,7 @@ def _apply_workspace(call, operands, params):
         tiles = -(-cols // 128)  # 32 lanes of 16-byte float32 packs; fewer tiles for 16-bit x
         p = -(-8 * 264 // tiles)
         p = min(p, rows) if rows >= 0 else p
-    return core.ShapedArray((2, max(1, p), cols), _F32)
+    return core.ShapedArray((bool(params["want_dscale"]) + bool(params["want_dbias"]), max(1, p), cols), _F32)
 
 
 _STAGE_KERNELS = {
