@@ -354,7 +354,7 @@ bool clusters_supported(Kernel kernel) {
 }
 
 inline cudaLaunchConfig_t cluster_config(cudaLaunchAttribute* attr, int cs, int threads, int64_t clusters,
-                                         cudaStream_t stream) {
+                                         cudaStream_t stream, size_t smem = 0) {
   attr->id = cudaLaunchAttributeClusterDimension;
   attr->val.clusterDim.x = unsigned(cs);
   attr->val.clusterDim.y = 1;
@@ -362,22 +362,24 @@ inline cudaLaunchConfig_t cluster_config(cudaLaunchAttribute* attr, int cs, int 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(clusters * cs));
   cfg.blockDim = dim3(unsigned(threads));
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cfg;
 }
 
-// Clusters of `cs` blocks of `threads` for a persistent 1-D grid of `kernel`: as many
-// as can be resident at once, at most work_clusters.
+// Clusters of `cs` blocks of `threads` (and `smem` bytes of dynamic shared memory) for a
+// persistent 1-D grid of `kernel`: as many as can be resident at once, at most
+// work_clusters.
 template <typename... KArgs>
-cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t work_clusters, int64_t* clusters) {
+cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t work_clusters, int64_t* clusters,
+                         size_t smem = 0) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, 1, nullptr);
+  const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, 1, nullptr, smem);
   int resident = 0;
   const cudaError_t err = cached_launch_query(
-      {0, kQueryClusters, threads, reinterpret_cast<const void*>(kernel), size_t(cs)}, &resident,
+      {0, kQueryClusters, threads, reinterpret_cast<const void*>(kernel), size_t(cs) + (smem << 5)}, &resident,
       [&](int* out) { return cudaOccupancyMaxActiveClusters(out, kernel, &cfg); });
   cudaGetLastError();  // the query's own error is returned, not left for a later check
   if (err != cudaSuccess) return err;
@@ -387,11 +389,17 @@ cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t 
 }
 
 template <typename... KArgs, typename... Args>
+cudaError_t launch_clusters_smem(void (*kernel)(KArgs...), int cs, int threads, size_t smem, int64_t clusters,
+                                 cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, clusters, stream, smem);
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... KArgs, typename... Args>
 cudaError_t launch_clusters(void (*kernel)(KArgs...), int cs, int threads, int64_t clusters, cudaStream_t stream,
                             Args&&... args) {
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, clusters, stream);
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return launch_clusters_smem(kernel, cs, threads, 0, clusters, stream, std::forward<Args>(args)...);
 }
 
 // A tuning knob from the environment: the integer value of `name`, or `fallback` when

@@ -631,6 +631,40 @@ __device__ __forceinline__ void bwd_store_partials(const BwdArgs& a, const RowSp
   }
 }
 
+// The partials of a cluster of blocks that each take their own rows (launched in
+// clusters only to merge them): every block parks its partials in its shared memory
+// `buf` (2 * K * PACK * blockDim floats, free by now), block rank r adds the elements
+// i = r (mod size) of every block in rank order and writes row blockIdx / size of the
+// workspace: size times fewer partial rows, the same sums in a fixed order. Without
+// a cluster (size 1) the block writes its own row.
+template <int PACK, int K>
+__device__ __forceinline__ void bwd_merge_store_partials(const BwdArgs& a, const RowSplit& sp, const float (&ds)[K * PACK],
+                                                         const float (&db)[K * PACK], float* part_ds, float* part_db,
+                                                         float* buf) {
+  constexpr int N = K * PACK;
+  const int cs = cluster_size();
+  if (cs == 1) return bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
+  const int t = threadIdx.x, nt = blockDim.x;
+#pragma unroll
+  for (int i = 0; i < N; ++i) { buf[i * nt + t] = ds[i]; buf[(N + i) * nt + t] = db[i]; }
+  cluster_sync();  // every block's partials are visible to the cluster
+  const int64_t part = int64_t(blockIdx.x) / cs, tid = sp.thread(), span = sp.threads();
+  for (int i = cluster_rank(); i < N; i += cs) {
+    const int64_t col = (tid + int64_t(i / PACK) * span) * PACK + i % PACK;
+    float sd = 0.f, sb = 0.f;
+    for (int q = 0; q < cs; ++q) {
+      const float* other = cluster_map(buf, q);
+      sd += other[i * nt + t];
+      sb += other[(N + i) * nt + t];
+    }
+    if (col < a.cols) {
+      if (part_ds) part_ds[part * a.cols + col] = sd;
+      if (part_db) part_db[part * a.cols + col] = sb;
+    }
+  }
+  cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
 template <typename T, typename P, int PACK, int K, typename S, bool CLUSTER = false>
 __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = K * PACK;
@@ -765,7 +799,9 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
     });
     if (++stage == stages) { stage = 0; phase ^= 1u; }
   }
-  bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
+  __syncthreads();  // every thread is done with the staged rows before they hold partials
+  bwd_merge_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db,
+                                    reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes));
 }
 
 // Block per row for long rows: dx only (x and dy cached in shared memory, or
@@ -1092,8 +1128,19 @@ inline int bwd_bulk_stages() {
   return stages >= 2 && stages <= kBulkBarrierBytes / 8 ? stages : 0;
 }
 
-// The bulk kernel's grid of blocks of `threads` (<= kBwdBulkMaxThreads) when it applies:
-// sm_90 code and device, its shared memory granted.
+// Blocks a cluster of the bulk kernel merges its dscale/dbias partials over (knob
+// JAX_OPS_NORM_BWD_MERGE_BLOCKS, 1 = none; 2, 4 or 8): the partial rows, and so the
+// workspace, shrink by that factor. Only when there are partials to merge. 2: the same
+// speed (H100); 4 and 8 leave SMs of odd-sized GPCs short of a whole cluster (248 of 264
+// blocks resident at 4096 columns, 120 of 132 at 8192) and measured 3-10 % slower.
+inline int bwd_merge_blocks(const BwdArgs& a) {
+  static const int cs = env_knob("JAX_OPS_NORM_BWD_MERGE_BLOCKS", 2);
+  return wants_param_grads(a) && (cs == 2 || cs == 4 || cs == 8) ? cs : 1;
+}
+
+// The bulk kernel's grid (blocks, or clusters of bwd_merge_blocks blocks) of blocks of
+// `threads` (<= kBwdBulkMaxThreads) when it applies: sm_90 code and device, its shared
+// memory granted.
 template <typename T, typename P, int PACK, int K, typename S>
 bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* smem) {
   const int stages = bwd_bulk_stages();
@@ -1106,6 +1153,16 @@ bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* sme
     return false;
   }
   *parts = cap_blocks(a, blocks);
+  const int cs = bwd_merge_blocks(a);
+  if (cs > 1) {  // clusters of cs blocks, one partial row each (at most work_rows)
+    const int64_t want = (a.rows + cs - 1) / cs;
+    int64_t clusters = 0;
+    if (cluster_grid(kernel, cs, threads, a.work_rows < want ? a.work_rows : want, &clusters, *smem) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    *parts = clusters;
+  }
   return true;
 }
 
@@ -1123,6 +1180,10 @@ bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pl
     size_t smem = 0;
     if (!bwd_bulk_grid<T, P, PACK, K, S>(a, threads, &parts, &smem)) return false;
     *err = run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
+      const int cs = bwd_merge_blocks(a);
+      if (cs > 1)
+        return launch_clusters_smem(bwd_bulk_kernel<T, P, PACK, K, S>, cs, threads, smem, parts, stream,
+                                    static_cast<const typename S::Args&>(a), ds, db, bwd_bulk_stages());
       bwd_bulk_kernel<T, P, PACK, K, S><<<unsigned(parts), threads, smem, stream>>>(a, ds, db, bwd_bulk_stages());
       return cudaGetLastError();
     });

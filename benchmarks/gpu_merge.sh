@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call (eighth session, issue 20): the bulk backward's dscale/dbias partials
+# merged over a cluster of blocks (knob JAX_OPS_NORM_BWD_MERGE_BLOCKS): norm tests,
+# compute-sanitizer, speed with 1/2/4/8 blocks merged, the workspace against flax.
+# Usage: bash benchmarks/gpu_merge.sh [stages] (tests,sanitize,ab,workspace)
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-tests,sanitize,ab,workspace}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+LOG="$OUT/log.txt"
+t0=$SECONDS
+if has tests; then
+  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
+    > "$OUT/tests.txt" 2>&1; tail -2 "$OUT/tests.txt" | tee -a "$LOG"
+  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
+fi
+if has sanitize; then
+  { ROWS=600 timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      4096,5000,8192 2>&1; echo "memcheck rc $?"
+    ROWS=300 timeout 100 compute-sanitizer --tool synccheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      4096,8192 2>&1; echo "synccheck rc $?"
+    ROWS=300 timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      4096 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
+  grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
+  echo "sanitize: $((SECONDS - t0)) s" | tee -a "$LOG"
+fi
+if has ab; then
+  for cs in 1 2 4 8; do
+    echo "== JAX_OPS_NORM_BWD_MERGE_BLOCKS=$cs"
+    JAX_OPS_NORM_BWD_MERGE_BLOCKS=$cs timeout 80 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda \
+      --op layer_norm,rms_norm,add_layer_norm --mode bwd --cols 4096,8192
+  done > "$OUT/ab.txt" 2>&1
+  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/ab.txt" | tee -a "$LOG"
+  echo "ab: $((SECONDS - t0)) s" | tee -a "$LOG"
+fi
+if has workspace; then
+  timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" > "$OUT/workspace.txt" 2>&1
+  grep -v Warning "$OUT/workspace.txt" | tee -a "$LOG"
+  echo "workspace: $((SECONDS - t0)) s" | tee -a "$LOG"
+fi
