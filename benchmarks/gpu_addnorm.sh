@@ -7,15 +7,13 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-bench,ncu}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
-t0=$SECONDS
+source benchmarks/gpu_stages.sh
 if has bench; then
   timeout ${BENCH_TIMEOUT:-330} python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl ${IMPLS:-cuda,pallas,auto,flax} \
     --op add_layer_norm,add_rms_norm --mode ${MODES:-fwd,bwd,step} --cols ${COLS:-768,1024,2048,4096,8192,16384} \
     --json "$OUT/add_norm.json" > "$OUT/add_norm.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/add_norm.txt" | tee -a "$LOG"
-  echo "bench: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done bench
 fi
 if has ncu; then
   M=launch__registers_per_thread,launch__block_size,launch__grid_size,launch__occupancy_limit_registers,sm__warps_active.avg.pct_of_peak_sustained_active,l1tex__throughput.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum,launch__shared_mem_per_block_dynamic
@@ -23,5 +21,5 @@ if has ncu; then
     > "$OUT/ncu.txt" 2>&1
   grep -E "^  [a-z_].*(fwd|bwd)|launch__registers|launch__grid_size|launch__block_size|occupancy_limit|warps_active|l1tex__thr|dram__thr|gpu__time|shared_mem" "$OUT/ncu.txt" \
     | sed -E 's/ +/ /g' | cut -c1-160 | tee -a "$LOG"
-  echo "ncu: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done ncu
 fi

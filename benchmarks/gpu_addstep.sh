@@ -7,24 +7,18 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,tables,step}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
-t0=$SECONDS
-if has tests; then
-  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
-    > "$OUT/tests.txt" 2>&1; tail -2 "$OUT/tests.txt" | tee -a "$LOG"
-  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
-fi
+source benchmarks/gpu_stages.sh
+has tests && norm_tests
 if has tables; then
   OP_TIMEOUT=150 bash benchmarks/gpu_tables.sh bf16 add_layer_norm,add_rms_norm ${TABLE_COLS:-256,768,1024,2048,4096,8192,16384} \
     > "$OUT/tables.txt" 2>&1
   grep -E "rc [0-9]|^[a-z_]+ (fwd|bwd|step) " "$OUT/tables.txt" | tee -a "$LOG"
-  echo "tables: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done tables
 fi
 if has step; then
   timeout ${STEP_TIMEOUT:-300} python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda,auto,flax \
     --op ${STEP_OPS:-add_layer_norm,add_rms_norm,layer_norm,rms_norm} --mode step \
     --cols ${STEP_COLS:-128,768,1024,2048,4096,8192,16384} --json "$OUT/step.json" > "$OUT/step.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) |auto/best|within" "$OUT/step.txt" | tee -a "$LOG"
-  echo "step: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done step
 fi

@@ -7,18 +7,12 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,workspace,tables}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
-t0=$SECONDS
-if has tests; then
-  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
-    > "$OUT/tests.txt" 2>&1; tail -2 "$OUT/tests.txt" | tee -a "$LOG"
-  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
-fi
+source benchmarks/gpu_stages.sh
+has tests && norm_tests
 if has workspace; then
   timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" > "$OUT/workspace.txt" 2>&1
   grep -v Warning "$OUT/workspace.txt" | tee -a "$LOG"
-  echo "workspace: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done workspace
 fi
 if has tables; then
   for dt in f16 f32; do
@@ -26,5 +20,5 @@ if has tables; then
   done > "$OUT/tables.txt" 2>&1
   grep -E "rc [0-9]|^[a-z_]+ (fwd|bwd|step) " "$OUT/tables.txt" | tee -a "$LOG"
   (cd "$OUT" && tar czf sweeps.tgz sweep_* tables.txt && rm -f sweep_* tables.txt)
-  echo "tables: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done tables
 fi

@@ -6,14 +6,8 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,sanitize,ab,workspace}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
-t0=$SECONDS
-if has tests; then
-  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
-    > "$OUT/tests.txt" 2>&1; tail -2 "$OUT/tests.txt" | tee -a "$LOG"
-  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
-fi
+source benchmarks/gpu_stages.sh
+has tests && norm_tests
 if has sanitize; then
   { ROWS=600 timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
       4096,5000,8192 2>&1; echo "memcheck rc $?"
@@ -22,7 +16,7 @@ if has sanitize; then
     ROWS=300 timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
       4096 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
   grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
-  echo "sanitize: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done sanitize
 fi
 if has ab; then
   for cs in 1 2 4 8; do
@@ -31,10 +25,10 @@ if has ab; then
       --op layer_norm,rms_norm,add_layer_norm --mode bwd --cols 4096,8192
   done > "$OUT/ab.txt" 2>&1
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/ab.txt" | tee -a "$LOG"
-  echo "ab: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done ab
 fi
 if has workspace; then
   timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" > "$OUT/workspace.txt" 2>&1
   grep -v Warning "$OUT/workspace.txt" | tee -a "$LOG"
-  echo "workspace: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done workspace
 fi

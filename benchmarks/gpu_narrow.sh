@@ -7,20 +7,14 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,breakdown,threads,sweep}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
-t0=$SECONDS
-if has tests; then
-  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
-    > "$OUT/tests.txt" 2>&1; tail -2 "$OUT/tests.txt" | tee -a "$LOG"
-  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
-fi
+source benchmarks/gpu_stages.sh
+has tests && norm_tests
 if has breakdown; then
   for spec in "layer_norm 32" "layer_norm 128" "rms_norm 32" "layer_norm 256" "add_layer_norm 128"; do
     MODES=${MODES:-fwd,bwd} timeout 60 python3 benchmarks/kernel_breakdown.py ${spec% *} bf16 49152 ${spec#* } cuda
   done > "$OUT/breakdown.txt" 2>&1
   cut -c1-140 "$OUT/breakdown.txt" | grep -v '^$' | tee -a "$LOG"
-  echo "breakdown: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done breakdown
 fi
 if has threads; then
   for th in 256 512 1024; do
@@ -29,11 +23,11 @@ if has threads; then
       --op layer_norm,rms_norm,add_layer_norm --mode fwd --cols 16384,32768
   done > "$OUT/threads.txt" 2>&1
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/threads.txt" | tee -a "$LOG"
-  echo "threads: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done threads
 fi
 if has sweep; then
   timeout 150 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda,auto,flax --op layer_norm,rms_norm,add_layer_norm \
     --mode fwd,bwd,step --cols 32,64,128,256 --json "$OUT/narrow.json" > "$OUT/narrow.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/narrow.txt" | tee -a "$LOG"
-  echo "sweep: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done sweep
 fi

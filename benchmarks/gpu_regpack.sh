@@ -6,16 +6,10 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,ab,knobs,breakdown}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
+source benchmarks/gpu_stages.sh
 SO=jax_ops/_ffi.cpython-312-x86_64-linux-gnu.so
 B="python3 -m jax_ops.bench --repeats 3 --dtype bf16"
-t0=$SECONDS
-if has tests; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
-    > "$OUT/tests.txt" 2>&1; tail -3 "$OUT/tests.txt" | tee -a "$LOG"
-  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
-fi
+has tests && norm_tests
 sweep() {  # $1: label
   { echo "== $1"
     timeout 120 $B --impl cuda --op layer_norm,rms_norm --mode fwd --cols 32,128,512,1024,2048,4096,8192,16384,32768
@@ -28,25 +22,25 @@ if has ab; then
   cp $SO /tmp/new.so && gunzip -c .carry/base/_ffi.so.gz > $SO && sweep "base $(cat .carry/base/COMMIT)"
   cp /tmp/new.so $SO
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/ab.txt" | tee -a "$LOG"
-  echo "ab: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done ab
 fi
 if has knobs; then
   { echo "== K8 unbounded"; JAX_OPS_NORM_FWD_K8_BOUNDED=0 timeout 60 $B --impl cuda --op layer_norm,rms_norm,add_layer_norm --mode fwd --cols 16384
     echo "== add+norm in the warp tier to 8 KiB rows"; JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES=8192 timeout 60 $B --impl cuda \
       --op add_layer_norm,add_rms_norm --mode fwd --cols 4096; } > "$OUT/knobs.txt" 2>&1
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/knobs.txt" | tee -a "$LOG"
-  echo "knobs: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done knobs
 fi
 if has breakdown; then
   MODES=step,fwd_res,bwd timeout 150 python3 benchmarks/kernel_breakdown.py add_layer_norm bf16 49152 4096 auto flax \
     > "$OUT/breakdown.txt" 2>&1
   MODES=step timeout 60 python3 benchmarks/kernel_breakdown.py layer_norm bf16 49152 4096 auto >> "$OUT/breakdown.txt" 2>&1
   cat "$OUT/breakdown.txt" | cut -c1-150 | tee -a "$LOG"
-  echo "breakdown: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done breakdown
 fi
 if has step; then
   timeout 200 $B --impl cuda,auto,flax --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode step \
     --cols ${STEP_COLS:-32,128,512,1024,4096,8192,16384,32768} --json "$OUT/step.json" > "$OUT/step.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/step.txt" | tee -a "$LOG"
-  echo "step: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done step
 fi

@@ -6,22 +6,16 @@
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,workspace,fwdbwd}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-LOG="$OUT/log.txt"
-t0=$SECONDS
-if has tests; then
-  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
-    > "$OUT/tests.txt" 2>&1; tail -2 "$OUT/tests.txt" | tee -a "$LOG"
-  echo "tests: $((SECONDS - t0)) s" | tee -a "$LOG"
-fi
+source benchmarks/gpu_stages.sh
+has tests && norm_tests
 if has workspace; then
   timeout 200 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" > "$OUT/workspace.txt" 2>&1
   cat "$OUT/workspace.txt" | grep -v Warning | tee -a "$LOG"
-  echo "workspace: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done workspace
 fi
 if has fwdbwd; then
   timeout 200 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda,auto,flax --op layer_norm,rms_norm \
     --mode fwd_bwd,bwd --cols 1024,8192,16384,32768 --json "$OUT/fwdbwd.json" > "$OUT/fwdbwd.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/fwdbwd.txt" | tee -a "$LOG"
-  echo "fwdbwd: $((SECONDS - t0)) s" | tee -a "$LOG"
+  stage_done fwdbwd
 fi
