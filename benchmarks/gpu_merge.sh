@@ -18,15 +18,8 @@ if has sanitize; then
   grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
   stage_done sanitize
 fi
-if has ab; then
-  for cs in 1 2 4 8; do
-    echo "== JAX_OPS_NORM_BWD_MERGE_BLOCKS=$cs"
-    JAX_OPS_NORM_BWD_MERGE_BLOCKS=$cs timeout 80 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda \
-      --op layer_norm,rms_norm,add_layer_norm --mode bwd --cols 4096,8192
-  done > "$OUT/ab.txt" 2>&1
-  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/ab.txt" | tee -a "$LOG"
-  stage_done ab
-fi
+has ab && knob_sweep ab JAX_OPS_NORM_BWD_MERGE_BLOCKS "1 2 4 8" \
+  --op layer_norm,rms_norm,add_layer_norm --mode bwd --cols 4096,8192
 if has workspace; then
   timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" > "$OUT/workspace.txt" 2>&1
   grep -v Warning "$OUT/workspace.txt" | tee -a "$LOG"

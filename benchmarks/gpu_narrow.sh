@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (eighth session, issue 20): where the narrow-row (32-256 columns)
 # norm backward's time goes, kernel by kernel (`kernel_breakdown.py`), and the narrow
-# sweep of the current build; norm tests; the forward block tier's threads a row at
+# sweep of the current build; norm tests; the forward block tier's packs a thread at
 # 16384-32768 columns (knob). Usage: bash benchmarks/gpu_narrow.sh [stages]
 # (tests,breakdown,threads,sweep)
 set -uo pipefail
@@ -16,15 +16,10 @@ if has breakdown; then
   cut -c1-140 "$OUT/breakdown.txt" | grep -v '^$' | tee -a "$LOG"
   stage_done breakdown
 fi
-if has threads; then
-  for th in 256 512 1024; do
-    echo "== JAX_OPS_NORM_FWD_BLOCK_THREADS=$th"
-    JAX_OPS_NORM_FWD_BLOCK_THREADS=$th timeout 80 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda \
-      --op layer_norm,rms_norm,add_layer_norm --mode fwd --cols 16384,32768
-  done > "$OUT/threads.txt" 2>&1
-  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/threads.txt" | tee -a "$LOG"
-  stage_done threads
-fi
+# Run 5 swept the forward block tier's threads a row (a knob since replaced); the
+# rule it chose is JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS=4, against the old 8.
+has threads && knob_sweep threads JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS "4 8" \
+  --op layer_norm,rms_norm,add_layer_norm --mode fwd --cols 16384,32768
 if has sweep; then
   timeout 150 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda,auto,flax --op layer_norm,rms_norm,add_layer_norm \
     --mode fwd,bwd,step --cols 32,64,128,256 --json "$OUT/narrow.json" > "$OUT/narrow.txt" 2>&1

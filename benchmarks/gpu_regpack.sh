@@ -3,6 +3,8 @@
 # words (RegPack) and the bounded K 8 forward, against the previous build carried in
 # .carry/base (same machine, same run); norm tests; where the add+norm training step's
 # time goes. Usage: bash benchmarks/gpu_regpack.sh [stages] (tests,ab,knobs,breakdown,step)
+# The RegPack build and its knob JAX_OPS_NORM_FWD_K8_BOUNDED were not kept: they are
+# results/2026-11-26_H100_addnorm/run2_regpack.diff applied to 5f5f78f.
 set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,ab,knobs,breakdown}

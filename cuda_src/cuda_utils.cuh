@@ -379,6 +379,7 @@ cudaError_t cluster_grid(void (*kernel)(KArgs...), int cs, int threads, int64_t 
   const cudaLaunchConfig_t cfg = cluster_config(&attr, cs, threads, 1, nullptr, smem);
   int resident = 0;
   const cudaError_t err = cached_launch_query(
+      // key: cs (at most 16) and smem in one field
       {0, kQueryClusters, threads, reinterpret_cast<const void*>(kernel), size_t(cs) + (smem << 5)}, &resident,
       [&](int* out) { return cudaOccupancyMaxActiveClusters(out, kernel, &cfg); });
   cudaGetLastError();  // the query's own error is returned, not left for a later check

@@ -1138,32 +1138,27 @@ inline int bwd_merge_blocks(const BwdArgs& a) {
   return wants_param_grads(a) && (cs == 2 || cs == 4 || cs == 8) ? cs : 1;
 }
 
-// The bulk kernel's grid (blocks, or clusters of bwd_merge_blocks blocks) of blocks of
-// `threads` (<= kBwdBulkMaxThreads) when it applies: sm_90 code and device, its shared
-// memory granted.
+// The bulk kernel's grid when it applies (sm_90 code and device, its shared memory
+// granted): *parts blocks of `threads` (<= kBwdBulkMaxThreads), or *parts clusters of
+// *cs blocks (bwd_merge_blocks).
 template <typename T, typename P, int PACK, int K, typename S>
-bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* smem) {
+bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* smem, int* cs) {
   const int stages = bwd_bulk_stages();
   auto kernel = bwd_bulk_kernel<T, P, PACK, K, S>;
   if (stages == 0 || !clusters_supported(kernel)) return false;
   *smem = kBulkBarrierBytes + size_t(stages) * 2 * K * size_t(threads) * sizeof(Pack<T, PACK>);
-  int blocks = 0;
-  if (allow_smem(kernel, *smem) != cudaSuccess || resident_blocks(kernel, threads, *smem, a.rows, &blocks) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
+  *cs = bwd_merge_blocks(a);
+  cudaError_t err = allow_smem(kernel, *smem);
+  if (err == cudaSuccess && *cs > 1) {  // clusters of cs blocks, one partial row each (at most work_rows)
+    const int64_t want = (a.rows + *cs - 1) / *cs;
+    err = cluster_grid(kernel, *cs, threads, a.work_rows < want ? a.work_rows : want, parts, *smem);
+  } else if (err == cudaSuccess) {
+    int blocks = 0;
+    err = resident_blocks(kernel, threads, *smem, a.rows, &blocks);
+    *parts = cap_blocks(a, blocks);
   }
-  *parts = cap_blocks(a, blocks);
-  const int cs = bwd_merge_blocks(a);
-  if (cs > 1) {  // clusters of cs blocks, one partial row each (at most work_rows)
-    const int64_t want = (a.rows + cs - 1) / cs;
-    int64_t clusters = 0;
-    if (cluster_grid(kernel, cs, threads, a.work_rows < want ? a.work_rows : want, &clusters, *smem) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    *parts = clusters;
-  }
-  return true;
+  if (err != cudaSuccess) cudaGetLastError();
+  return err == cudaSuccess;
 }
 
 // The block tier with its rows staged by bulk copies: K packs a thread so that a block
@@ -1178,9 +1173,9 @@ bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pl
     const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
     int64_t parts = 0;
     size_t smem = 0;
-    if (!bwd_bulk_grid<T, P, PACK, K, S>(a, threads, &parts, &smem)) return false;
+    int cs = 1;
+    if (!bwd_bulk_grid<T, P, PACK, K, S>(a, threads, &parts, &smem, &cs)) return false;
     *err = run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
-      const int cs = bwd_merge_blocks(a);
       if (cs > 1)
         return launch_clusters_smem(bwd_bulk_kernel<T, P, PACK, K, S>, cs, threads, smem, parts, stream,
                                     static_cast<const typename S::Args&>(a), ds, db, bwd_bulk_stages());
