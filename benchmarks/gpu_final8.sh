@@ -9,11 +9,7 @@ source benchmarks/gpu_extension.sh
 STAGES=${1:-tests,workspace,tables}
 source benchmarks/gpu_stages.sh
 has tests && norm_tests
-if has workspace; then
-  timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/workspace.json" > "$OUT/workspace.txt" 2>&1
-  grep -v Warning "$OUT/workspace.txt" | tee -a "$LOG"
-  stage_done workspace
-fi
+has workspace && workspace_stage
 if has tables; then
   for dt in f16 f32; do
     OP_TIMEOUT=90 bash benchmarks/gpu_tables.sh $dt layer_norm,rms_norm ${TABLE_COLS:-32,1024,4096,16384}

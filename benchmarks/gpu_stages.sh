@@ -24,3 +24,11 @@ knob_sweep() {
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
 }
+# The workspace of a lone op's jitted vjp against flax (benchmarks/norm_workspace.py), to
+# $OUT/NAME.txt (default workspace) and the log.
+workspace_stage() {
+  local name=${1:-workspace}
+  timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  grep -v Warning "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
+}

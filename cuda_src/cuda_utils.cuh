@@ -240,6 +240,17 @@ __device__ __forceinline__ int cluster_size() {
 #endif
 }
 
+// Blocks in the cluster this block was launched in: 1 without a cluster, and on
+// targets older than sm_90 (which cannot launch one), so kernels that only may be
+// launched in clusters can ask.
+__device__ __forceinline__ int launched_cluster_size() {
+#ifdef JO_HAS_CLUSTERS
+  return int(__clusterSizeInBlocks());
+#else
+  return 1;
+#endif
+}
+
 // Barrier over every thread of the cluster; release/acquire, so shared-memory writes
 // before it are visible to the other blocks' reads after it.
 __device__ __forceinline__ void cluster_sync() {

@@ -10,7 +10,9 @@
 //                  from global memory when shared memory cannot hold it.
 // Backward tiers:
 //   cols <= 1024 : group per row, x and dy in registers, per-column dscale/dbias
-//                  partials in registers, summed per block through shared memory.
+//                  partials in registers, summed per block through shared memory
+//                  (on sm_90 from 128 columns, and per pair of blocks through
+//                  distributed shared memory).
 //   cols <= 8192 : block per row, row and partials in registers; on sm_90 16-bit rows
 //                  of 4096+ columns are staged in shared memory by bulk copies (TMA),
 //                  3 a block in flight through the per-row barriers.
@@ -541,12 +543,37 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
     }
   }
   __syncthreads();
+  // Launched in a cluster only to merge its blocks' partials (bwd_group_merge_blocks): each
+  // block's sums go to row 0 of its buffers (a column is read and rewritten by the
+  // same thread), then block rank r adds every cs-th run of kRegsThreads columns over
+  // the cluster's blocks in rank order, into row blockIdx / cs of the workspace.
+  const int cs = launched_cluster_size();
   for (int64_t col = threadIdx.x; col < a.cols; col += kRegsThreads) {
     float s_ds = 0.f, s_db = 0.f;
     for (int j = 0; j < GROUPS_PER_BLOCK; ++j) { s_ds += red_ds[j * a.cols + col]; s_db += red_db[j * a.cols + col]; }
-    if (part_ds) part_ds[blockIdx.x * a.cols + col] = s_ds;
-    if (part_db) part_db[blockIdx.x * a.cols + col] = s_db;
+    if (cs > 1) {
+      red_ds[col] = s_ds;
+      red_db[col] = s_db;
+    } else {
+      if (part_ds) part_ds[blockIdx.x * a.cols + col] = s_ds;
+      if (part_db) part_db[blockIdx.x * a.cols + col] = s_db;
+    }
   }
+  if (cs == 1) return;
+  cluster_sync();  // every block's sums are visible to the cluster
+  const int64_t part = int64_t(blockIdx.x) / cs;
+  for (int64_t col = int64_t(cluster_rank()) * kRegsThreads + threadIdx.x; col < a.cols;
+       col += int64_t(cs) * kRegsThreads) {
+    float s_ds = 0.f, s_db = 0.f;
+    for (int q = 0; q < cs; ++q) {
+      const float* other = cluster_map(red, q);
+      s_ds += other[col];
+      s_db += other[GROUPS_PER_BLOCK * a.cols + col];
+    }
+    if (part_ds) part_ds[part * a.cols + col] = s_ds;
+    if (part_db) part_db[part * a.cols + col] = s_db;
+  }
+  cluster_sync();  // no block leaves while another still reads its shared memory
 }
 
 // Block (or cluster) per row; each thread owns K packs of every row (fixed
@@ -1082,33 +1109,6 @@ inline cudaError_t plan_parts(const BwdArgs& a, int64_t parts, int64_t* plan) {
   return cudaSuccess;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
-cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
-  constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
-  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
-  const bool partials = wants_param_grads(a);
-  const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
-  cudaError_t err;
-  if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
-  int blocks = 0;
-  if ((err = resident_blocks(kernel, kRegsThreads, smem, (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, &blocks)) != cudaSuccess) return err;
-  blocks = int(cap_blocks(a, blocks));
-  if (plan) return plan_parts(a, blocks, plan);
-  float *ds = nullptr, *db = nullptr;
-  if ((err = partial_buffers(a, blocks, &ds, &db)) != cudaSuccess) return err;
-  kernel<<<blocks, kRegsThreads, smem, stream>>>(a, ds, db);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  return partials ? finish_param_grads<P>(a, ds, db, blocks, stream) : cudaSuccess;
-}
-
-template <typename T, typename P, int PACK, typename S>
-cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  return dispatch_group_shape<PACK, kRegsMaxCols>(a.cols / PACK, [&](auto vpt, auto width) {
-    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream, plan);
-  });
-}
-
 // Partial rows, workspace, launch and the final sums of a block-regs grid of `parts`
 // blocks or clusters; launch(ds, db) starts the kernel.
 template <typename P, typename Launch>
@@ -1121,6 +1121,65 @@ cudaError_t run_bwd_grid(const BwdAddArgs& a, int64_t parts, cudaStream_t stream
   return wants_param_grads(a) ? finish_param_grads<P>(a, ds, db, parts, stream) : cudaSuccess;
 }
 
+// Blocks a cluster merges its dscale/dbias partials over, in the tiers whose blocks take
+// their own rows: the partial rows, and so the workspace, shrink by that factor (1 =
+// none, at most kMaxClusterBlocks). Only when there are partials to merge.
+// The bulk kernel (knob JAX_OPS_NORM_BWD_MERGE_BLOCKS), 2: the same speed (H100); 4 and
+// 8 leave SMs of odd-sized GPCs short of a whole cluster (248 of 264 blocks resident at
+// 4096 columns, 120 of 132 at 8192) and measured 3-10 % slower.
+inline int bwd_merge_blocks(const BwdArgs& a) {
+  static const int cs = env_knob("JAX_OPS_NORM_BWD_MERGE_BLOCKS", 2);
+  return wants_param_grads(a) && cs >= 2 && cs <= kMaxClusterBlocks ? cs : 1;
+}
+// The group tier (knob JAX_OPS_NORM_BWD_GROUP_MERGE_BLOCKS), from
+// JAX_OPS_NORM_BWD_GROUP_MERGE_MIN_COLS columns: 2 costs 1-2 µs a call (H100: 1024
+// columns 117.5 -> 119.2 µs, 32 columns 10.0 -> 10.9); below 128 columns the partials are
+// under 0.1 MiB and stay one a block.
+inline int bwd_group_merge_blocks(const BwdArgs& a) {
+  static const int cs = env_knob("JAX_OPS_NORM_BWD_GROUP_MERGE_BLOCKS", 2);
+  static const int min_cols = env_knob("JAX_OPS_NORM_BWD_GROUP_MERGE_MIN_COLS", 128);
+  return wants_param_grads(a) && a.cols >= min_cols && cs >= 2 && cs <= kMaxClusterBlocks ? cs : 1;
+}
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
+  constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
+  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
+  const bool partials = wants_param_grads(a);
+  const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
+  cudaError_t err;
+  if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
+  const int64_t work_blocks = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+  // With partials on sm_90: clusters of cs blocks, one partial row each.
+  const int cs = partials && clusters_supported(kernel) ? bwd_group_merge_blocks(a) : 1;
+  if (cs > 1) {
+    int64_t clusters = 0;
+    const int64_t want = (work_blocks + cs - 1) / cs;
+    if ((err = cluster_grid(kernel, cs, kRegsThreads, a.work_rows < want ? a.work_rows : want, &clusters, smem)) !=
+        cudaSuccess)
+      return err;
+    return run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
+      return launch_clusters_smem(kernel, cs, kRegsThreads, smem, clusters, stream,
+                                  static_cast<const typename S::Args&>(a), ds, db);
+    });
+  }
+  int blocks = 0;
+  if ((err = resident_blocks(kernel, kRegsThreads, smem, work_blocks, &blocks)) != cudaSuccess) return err;
+  return run_bwd_grid<P>(a, cap_blocks(a, blocks), stream, plan, [&](float* ds, float* db) {
+    kernel<<<unsigned(cap_blocks(a, blocks)), kRegsThreads, smem, stream>>>(a, ds, db);
+    return cudaGetLastError();
+  });
+}
+
+template <typename T, typename P, int PACK, typename S>
+cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  return dispatch_group_shape<PACK, kRegsMaxCols>(a.cols / PACK, [&](auto vpt, auto width) {
+    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream, plan);
+  });
+}
+
+
 // The block tier's rows staged by bulk copies: JAX_OPS_NORM_BWD_BULK_STAGES rows a block
 // (0 turns it off), from JAX_OPS_NORM_BWD_BULK_MIN_COLS columns (default kBwdBulkMinCols).
 inline int bwd_bulk_stages() {
@@ -1128,15 +1187,6 @@ inline int bwd_bulk_stages() {
   return stages >= 2 && stages <= kBulkBarrierBytes / 8 ? stages : 0;
 }
 
-// Blocks a cluster of the bulk kernel merges its dscale/dbias partials over (knob
-// JAX_OPS_NORM_BWD_MERGE_BLOCKS, 1 = none; 2, 4 or 8): the partial rows, and so the
-// workspace, shrink by that factor. Only when there are partials to merge. 2: the same
-// speed (H100); 4 and 8 leave SMs of odd-sized GPCs short of a whole cluster (248 of 264
-// blocks resident at 4096 columns, 120 of 132 at 8192) and measured 3-10 % slower.
-inline int bwd_merge_blocks(const BwdArgs& a) {
-  static const int cs = env_knob("JAX_OPS_NORM_BWD_MERGE_BLOCKS", 2);
-  return wants_param_grads(a) && (cs == 2 || cs == 4 || cs == 8) ? cs : 1;
-}
 
 // The bulk kernel's grid when it applies (sm_90 code and device, its shared memory
 // granted): *parts blocks of `threads` (<= kBwdBulkMaxThreads), or *parts clusters of
