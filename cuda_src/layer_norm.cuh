@@ -18,7 +18,9 @@
 //                  3 a block in flight through the per-row barriers.
 //   larger, sm_90: the same kernel with each row split over a thread-block cluster
 //                  of 2-8 blocks (row sums exchanged through distributed shared
-//                  memory), up to 8 values a thread: rows of up to 65536 (bf16).
+//                  memory), up to 8 values a thread: rows of up to 65536 (bf16);
+//                  16-bit rows of up to 32768 keep their dscale/dbias partials (and
+//                  scale) in shared memory instead, 16 values a thread.
 //   larger       : block per row for dx (x, dy cached in shared memory or read
 //                  twice) and a column-tiled kernel for the dscale/dbias partials.
 // Partials are [partial_rows, cols] float32 and summed by a second kernel in a
@@ -741,6 +743,97 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
   bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
 }
 
+// The cluster tier for 16-bit rows with the dscale/dbias partials in shared memory
+// instead of registers. In registers, partials take 2 of about 4 registers an element,
+// so at 64 registers a thread (1024 threads an SM) a thread holds 8 elements: 16 bytes
+// of x and 16 of dy in flight through each row's cluster barrier, half what float32
+// rows have (their cluster backward runs at 93 % of the 3X floor, 16-bit at 79 %). Here
+// a thread holds K = 2 packs (16 elements, 32 + 32 bytes) and adds to its partials in
+// shared memory, and reads its scale values from there: a row of 3 * K * PACK + 1
+// floats a thread (scale, ds, db), so that every access is one base register plus an
+// immediate offset (with a runtime stride the compiler hoisted 32 addresses into
+// registers and spilled) and the odd stride keeps a warp's accesses on 32 different
+// banks. (With the scale in registers ptxas still spilled 40 bytes.)
+template <typename T, typename P, int PACK, int K, typename S>
+__global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args a, float* part_ds, float* part_db) {
+  constexpr int N = K * PACK;
+  extern __shared__ float acc_all[];  // [blockDim][3 * N + 1]: scale, ds, db
+  float* sc = acc_all + threadIdx.x * (3 * N + 1);
+  float* acc = sc + N;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  const S store(a);
+  const RowSplit sp = row_split<true>();
+  const int64_t tid = sp.thread(), span = sp.threads();
+  {
+    float scale[N];
+    bwd_thread_scale<P, PACK, K>(a, sp, scale);
+#pragma unroll
+    for (int i = 0; i < N; ++i) sc[i] = scale[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 2 * N; ++i) acc[i] = 0.f;
+  const float inv_n = 1.f / float(a.cols);
+  int parity = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
+    const float mean = a.rms ? 0.f : a.mean[row], rstd = a.rstd[row];
+    Pack<T, PACK> xc[K], dc[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (tid + int64_t(k) * span) * PACK;
+      if (col < a.cols) {
+        xc[k] = *reinterpret_cast<const Pack<T, PACK>*>(x + row * a.cols + col);
+        dc[k] = *reinterpret_cast<const Pack<T, PACK>*>(dy + row * a.cols + col);
+      } else {  // dy = 0 past the row's end: no contribution to the sums
+        xc[k] = Pack<T, PACK>{};
+        dc[k] = Pack<T, PACK>{};
+      }
+    }
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) {
+        const float g = to_float(dc[k].v[j]) * sc[k * PACK + j];
+        sum_g += g;
+        sum_gx += g * ((to_float(xc[k].v[j]) - mean) * rstd);
+      }
+    }
+    const float2 sums = row_sum2<true>(sum_g, sum_gx, parity);
+    // The packs' words pass through an empty asm: the compiler cannot keep the floats
+    // converted before the barrier (32 of them, which spilled) and converts again.
+    const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t col = (tid + int64_t(k) * span) * PACK;
+      if (col >= a.cols) continue;
+      float out[PACK];
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) {
+        const int i = k * PACK + j;
+        const float dv = to_float(dc[k].v[j]), xh = (to_float(xc[k].v[j]) - mean) * rstd;
+        out[j] = norm_dx(dv * sc[i], xh, rstd, mg, mgx);
+        acc[i] += dv * xh;
+        acc[N + i] += dv;
+      }
+      store(row * a.cols + col, out);
+    }
+  }
+  row_split_exit<true>();
+  // The cluster's partial row: its blocks own disjoint columns.
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t col = (tid + int64_t(k) * span) * PACK;
+    if (col >= a.cols) continue;
+#pragma unroll
+    for (int j = 0; j < PACK; ++j) {
+      const int i = k * PACK + j;
+      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = acc[i];
+      if (part_db) part_db[sp.first_row * a.cols + col + j] = acc[N + i];
+    }
+  }
+}
+
 // The block-per-row backward with x and dy staged in shared memory by bulk copies
 // (sm_90), `stages` rows a block in flight: a row is K runs of blockDim packs (one copy
 // each, x and dy), refilled with the block's next-but-`stages` row once the row sums'
@@ -1324,10 +1417,47 @@ cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
   return finish_param_grads<P>(a, ds, db, chunks, stream);
 }
 
+// The cluster tier's 16-bit rows with partials in shared memory (bwd_cluster_smem_kernel;
+// knob JAX_OPS_NORM_BWD_CLUSTER_SMEM, 0 = the register kernel) where clusters of up to
+// 8 blocks of JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS (256) threads hold the row: up to
+// 32768 columns. Its partial rows are one per cluster, and with half the threads a row
+// there are twice the clusters of the register kernel: its workspace doubles (15.5 MiB
+// for LayerNorm at 16384-32768 columns, within autodiff's 16.1). Longer rows keep the
+// register kernel, whose workspace (7.5 MiB at 65536) is already above autodiff's
+// (4.0). False where it does not apply.
+template <typename T, typename P, int PACK, typename S>
+bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
+  constexpr int K = 2;
+  static const int on = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM", 1);
+  static const int knob_threads = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS", 256);
+  const int max_threads = knob_threads < 32 ? 32 : (knob_threads > 1024 ? 1024 : knob_threads);
+  auto kernel = bwd_cluster_smem_kernel<T, P, PACK, K, S>;
+  if (!on || !clusters_supported(kernel)) return false;
+  const int64_t nvec = a.cols / PACK;
+  const ClusterShape shape = cluster_shape(nvec, max_threads, K);
+  if (shape.threads > max_threads || int64_t(shape.cs) * shape.threads * K < nvec) return false;
+  const size_t smem = size_t(3 * K * PACK + 1) * size_t(shape.threads) * sizeof(float);
+  int64_t clusters = 0;
+  if (allow_smem(kernel, smem) != cudaSuccess ||
+      cluster_grid(kernel, shape.cs, shape.threads, cap_blocks(a, a.rows), &clusters, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *err = run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
+    return launch_clusters_smem(kernel, shape.cs, shape.threads, smem, clusters, stream,
+                                static_cast<const typename S::Args&>(a), ds, db);
+  });
+  return true;
+}
+
 template <typename T, typename P, int PACK, typename S>
 cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   ClusterShape shape;
   if (a.cols > kRegsMaxCols && bwd_cluster_shape<T, P, PACK, S>(a, &shape)) {
+    if constexpr (sizeof(T) == 2 && PACK == 8) {
+      cudaError_t err = cudaSuccess;
+      if (launch_bwd_cluster_smem<T, P, PACK, S>(a, stream, plan, &err)) return err;
+    }
     constexpr int K = PACK >= 8 ? 1 : 8 / PACK;
     return launch_bwd_cluster_k<T, P, PACK, S, K>(a, shape, stream, plan);
   }
