@@ -800,8 +800,6 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
       }
     }
     const float2 sums = row_sum2<true>(sum_g, sum_gx, parity);
-    // The packs' words pass through an empty asm: the compiler cannot keep the floats
-    // converted before the barrier (32 of them, which spilled) and converts again.
     const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
