@@ -168,6 +168,29 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, int parity) {
   }
 }
 
+// Sums of four values over the cluster (two rows' sum_g and sum_gx), returned to every
+// thread: one block reduction and one cluster barrier for both rows.
+__device__ __forceinline__ float4 cluster_sum4(float4 v, int parity) {
+  __shared__ float red[4][32];
+  __shared__ float4 part[2];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  v = make_float4(group_sum<32>(v.x), group_sum<32>(v.y), group_sum<32>(v.z), group_sum<32>(v.w));
+  if (lane == 0) { red[0][warp] = v.x; red[1][warp] = v.y; red[2][warp] = v.z; red[3][warp] = v.w; }
+  __syncthreads();
+  if (warp == 0) {
+    float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lane < nwarps) w = make_float4(red[0][lane], red[1][lane], red[2][lane], red[3][lane]);
+    w = make_float4(group_sum<32>(w.x), group_sum<32>(w.y), group_sum<32>(w.z), group_sum<32>(w.w));
+    if (lane == 0) part[parity] = w;
+  }
+  cluster_sync_publishing(threadIdx.x < 32);  // only warp 0 wrote what others read
+  float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int r = int(threadIdx.x % kMaxClusterBlocks);
+  if (r < cluster_size()) c = *cluster_map(&part[parity], r);
+  return make_float4(group_sum<kMaxClusterBlocks>(c.x), group_sum<kMaxClusterBlocks>(c.y),
+                     group_sum<kMaxClusterBlocks>(c.z), group_sum<kMaxClusterBlocks>(c.w));
+}
+
 // A block may leave only when no other block of its cluster still reads its
 // shared memory.
 template <bool CLUSTER>
@@ -350,10 +373,57 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   }
 }
 
+// A row held in 32-bit words: 16-bit values two a register (a Pack of 16-bit structs
+// takes a register per value, which left no registers for the scale/bias loads: they
+// waited behind every store, docs/perf-notes.md). Values are converted where used; the
+// output pass converts with other instructions (ALT) than the statistics, so that the
+// compiler recomputes the floats instead of keeping them live across the reduction.
+template <typename T, bool ALT>
+__device__ __forceinline__ float word_value(uint32_t w, int half) {
+  if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(w);
+  } else if constexpr (std::is_same_v<T, bf16_t>) {
+    if (ALT) return __uint_as_float(__byte_perm(w, 0u, half ? 0x3244 : 0x1044));
+    return __uint_as_float(half ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    const uint32_t bits = ALT ? __byte_perm(w, 0u, half ? 0x4432 : 0x4410) : (half ? (w >> 16) : (w & 0xffffu));
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+}
+
+template <typename T, int PACK>
+struct RowWords {
+  static constexpr int kWords = int((sizeof(T) * PACK + 3) / 4);
+  uint32_t w[kWords];
+  __device__ __forceinline__ void set(const Pack<T, PACK>& pk) {
+    w[kWords - 1] = 0u;
+    memcpy(w, &pk, sizeof(pk));
+  }
+  template <bool ALT>
+  __device__ __forceinline__ float value(int j) const {
+    constexpr int kPerWord = sizeof(T) == 4 ? 1 : 2;
+    return word_value<T, ALT>(w[j / kPerWord], j % kPerWord);
+  }
+};
+
+template <typename T, int PACK>
+__device__ __forceinline__ void store_values(T* p, const float (&v)[PACK]) {
+  if constexpr (sizeof(T) == 2 && PACK % 2 == 0) {
+    Pack<uint32_t, PACK / 2> out;  // pairs packed by hand: one vector store
+#pragma unroll
+    for (int i = 0; i < PACK / 2; ++i)
+      out.v[i] = uint32_t(from_float<T>(v[2 * i]).bits) | (uint32_t(from_float<T>(v[2 * i + 1]).bits) << 16);
+    *reinterpret_cast<Pack<uint32_t, PACK / 2>*>(p) = out;
+  } else {
+    store_pack<T, PACK>(p, v);
+  }
+}
+
 // Block per row, each thread holding K packs of the row in registers: no shared
-// memory round trip, and all K loads of a thread are in flight at once. (A cluster
-// version of this tier, the row split over 2-8 blocks, measured 1.5-2x slower on the
-// H100 at 16384-32768 columns: docs/perf-notes.md.)
+// memory round trip, and all K loads of a thread are in flight at once. The first
+// pack's scale/bias loads are issued before the row reduction, each next pack's before
+// this pack's store. (A cluster version of this tier, the row split over 2-8 blocks,
+// measured 1.5-2x slower on the H100 at 16384-32768 columns: docs/perf-notes.md.)
 template <typename T, typename P, int PACK, int K, typename L>
 __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
@@ -361,22 +431,23 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
   const L load(a);
   T* y = static_cast<T*>(a.y);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    PackT raw[K];
+    RowWords<T, PACK> raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
-      if (v < nvec) load((row * nvec + v) * PACK, raw[k]);
+      PackT pk{};
+      if (v < nvec) load((row * nvec + v) * PACK, pk);
+      raw[k].set(pk);
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
     // thread in the block reduction.
-    NormAcc acc;
     float s = 0.f, q = 0.f, cnt = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k)
       if (threadIdx.x + int64_t(k) * blockDim.x < nvec) {
         cnt += float(PACK);
 #pragma unroll
-        for (int j = 0; j < PACK; ++j) s += to_float(raw[k].v[j]);
+        for (int j = 0; j < PACK; ++j) s += raw[k].template value<false>(j);
       }
     const float local_mean = (a.rms || cnt == 0.f) ? 0.f : s / cnt;
 #pragma unroll
@@ -384,21 +455,30 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
       if (threadIdx.x + int64_t(k) * blockDim.x < nvec)
 #pragma unroll
         for (int j = 0; j < PACK; ++j) {
-          const float d = to_float(raw[k].v[j]) - local_mean;
+          const float d = raw[k].template value<false>(j) - local_mean;
           q += d * d;
         }
+    NormAcc acc;
     acc.mean = local_mean; acc.m2 = q; acc.count = cnt;
+    float sc[PACK], bi[PACK];
+    if (threadIdx.x < nvec) {
+      load_param<P, PACK>(a.scale, int64_t(threadIdx.x) * PACK, 1.f, sc);
+      load_param<P, PACK>(a.bias, int64_t(threadIdx.x) * PACK, 0.f, bi);
+    }
     const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
-      if (v >= nvec) continue;
-      float sc[PACK], bi[PACK], out[PACK];
-      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
-      load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
+      if (v >= nvec) break;
+      float out[PACK];
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) out[j] = norm_out(to_float(raw[k].v[j]), st, sc[j], bi[j]);
-      store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
+      for (int j = 0; j < PACK; ++j) out[j] = norm_out(raw[k].template value<true>(j), st, sc[j], bi[j]);
+      const int64_t next = v + blockDim.x;
+      if (k + 1 < K && next < nvec) {
+        load_param<P, PACK>(a.scale, next * PACK, 1.f, sc);
+        load_param<P, PACK>(a.bias, next * PACK, 0.f, bi);
+      }
+      store_values<T, PACK>(y + row * a.cols + v * PACK, out);
     }
     if (threadIdx.x == 0 && a.rstd != nullptr) {
       if (a.mean != nullptr) a.mean[row] = st.mean;
@@ -743,91 +823,91 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
   bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
 }
 
-// The cluster tier for 16-bit rows with the dscale/dbias partials in shared memory
-// instead of registers. In registers, partials take 2 of about 4 registers an element,
-// so at 64 registers a thread (1024 threads an SM) a thread holds 8 elements: 16 bytes
-// of x and 16 of dy in flight through each row's cluster barrier, half what float32
-// rows have (their cluster backward runs at 93 % of the 3X floor, 16-bit at 79 %). Here
-// a thread holds K = 2 packs (16 elements, 32 + 32 bytes) and adds to its partials in
-// shared memory, and reads its scale values from there: a row of 3 * K * PACK + 1
-// floats a thread (scale, ds, db), so that every access is one base register plus an
-// immediate offset (with a runtime stride the compiler hoisted 32 addresses into
-// registers and spilled) and the odd stride keeps a warp's accesses on 32 different
-// banks. (With the scale in registers ptxas still spilled 40 bytes.)
+// The cluster tier for 16-bit rows, two rows at a time. In registers, the dscale/dbias
+// partials take 2 of about 4 registers an element, so at 64 registers a thread (1024
+// threads an SM) a thread holds 8 elements: 16 bytes of x and 16 of dy in flight through
+// each row's cluster barrier, half what float32 rows have (their cluster backward runs
+// at 93 % of the 3X floor, 16-bit at 79 %). Here a thread holds one pack of K = 2 rows
+// (32 + 32 bytes in flight), and adds to its partials in shared memory, and reads its
+// scale values from there: a row of 3 * PACK + 1 floats a thread (scale, ds, db), so
+// that every access is one base register plus an immediate offset, and the odd stride
+// keeps a warp's accesses on 32 different banks. The rows share one cluster reduction,
+// and their partials one accumulator: the partial rows (one per cluster) are those of
+// the register kernel. (The first version, two packs of one row a thread, had twice
+// the partial rows: 15.5 MiB of workspace for LayerNorm at 16384-32768 columns.)
 template <typename T, typename P, int PACK, int K, typename S>
 __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args a, float* part_ds, float* part_db) {
-  constexpr int N = K * PACK;
-  extern __shared__ float acc_all[];  // [blockDim][3 * N + 1]: scale, ds, db
-  float* sc = acc_all + threadIdx.x * (3 * N + 1);
-  float* acc = sc + N;
+  static_assert(K == 2, "two rows an iteration (cluster_sum4)");
+  extern __shared__ float acc_all[];  // [blockDim][3 * PACK + 1]: scale, ds, db
+  float* sc = acc_all + threadIdx.x * (3 * PACK + 1);
+  float* acc = sc + PACK;
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const S store(a);
   const RowSplit sp = row_split<true>();
-  const int64_t tid = sp.thread(), span = sp.threads();
+  const int64_t col = sp.thread() * PACK;
+  const bool owns = col < a.cols;
   {
-    float scale[N];
-    bwd_thread_scale<P, PACK, K>(a, sp, scale);
+    float scale[PACK];
+    bwd_thread_scale<P, PACK, 1>(a, sp, scale);
 #pragma unroll
-    for (int i = 0; i < N; ++i) sc[i] = scale[i];
+    for (int i = 0; i < PACK; ++i) sc[i] = scale[i];
   }
 #pragma unroll
-  for (int i = 0; i < 2 * N; ++i) acc[i] = 0.f;
+  for (int i = 0; i < 2 * PACK; ++i) acc[i] = 0.f;
   const float inv_n = 1.f / float(a.cols);
   int parity = 0;
-  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
-    const float mean = a.rms ? 0.f : a.mean[row], rstd = a.rstd[row];
-    Pack<T, PACK> xc[K], dc[K];
+  for (int64_t row0 = sp.first_row; row0 < a.rows; row0 += K * sp.step, parity ^= 1) {
+    RowWords<T, PACK> xc[K], dc[K];  // two values a register (see fwd_block_regs_kernel)
+    float mean[K], rstd[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t col = (tid + int64_t(k) * span) * PACK;
-      if (col < a.cols) {
-        xc[k] = *reinterpret_cast<const Pack<T, PACK>*>(x + row * a.cols + col);
-        dc[k] = *reinterpret_cast<const Pack<T, PACK>*>(dy + row * a.cols + col);
-      } else {  // dy = 0 past the row's end: no contribution to the sums
-        xc[k] = Pack<T, PACK>{};
-        dc[k] = Pack<T, PACK>{};
+      const int64_t row = row0 + k * sp.step;
+      const bool live = row < a.rows;
+      mean[k] = (a.rms || !live) ? 0.f : a.mean[row];
+      rstd[k] = live ? a.rstd[row] : 0.f;
+      Pack<T, PACK> xp{}, dp{};  // dy = 0 past the row's end and the last row: no contribution
+      if (owns && live) {
+        xp = *reinterpret_cast<const Pack<T, PACK>*>(x + row * a.cols + col);
+        dp = *reinterpret_cast<const Pack<T, PACK>*>(dy + row * a.cols + col);
       }
+      xc[k].set(xp);
+      dc[k].set(dp);
     }
-    float sum_g = 0.f, sum_gx = 0.f;
+    float sum_g[K] = {}, sum_gx[K] = {};
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
+    for (int k = 0; k < K; ++k)
 #pragma unroll
       for (int j = 0; j < PACK; ++j) {
-        const float g = to_float(dc[k].v[j]) * sc[k * PACK + j];
-        sum_g += g;
-        sum_gx += g * ((to_float(xc[k].v[j]) - mean) * rstd);
+        const float g = dc[k].template value<false>(j) * sc[j];
+        sum_g[k] += g;
+        sum_gx[k] += g * ((xc[k].template value<false>(j) - mean[k]) * rstd[k]);
       }
-    }
-    const float2 sums = row_sum2<true>(sum_g, sum_gx, parity);
-    const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
+    const float4 sums = cluster_sum4(make_float4(sum_g[0], sum_gx[0], sum_g[1], sum_gx[1]), parity);
+    const float mg[K] = {a.rms ? 0.f : sums.x * inv_n, a.rms ? 0.f : sums.z * inv_n};
+    const float mgx[K] = {sums.y * inv_n, sums.w * inv_n};
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int64_t col = (tid + int64_t(k) * span) * PACK;
-      if (col >= a.cols) continue;
+      const int64_t row = row0 + k * sp.step;
+      if (!owns || row >= a.rows) continue;
       float out[PACK];
 #pragma unroll
       for (int j = 0; j < PACK; ++j) {
-        const int i = k * PACK + j;
-        const float dv = to_float(dc[k].v[j]), xh = (to_float(xc[k].v[j]) - mean) * rstd;
-        out[j] = norm_dx(dv * sc[i], xh, rstd, mg, mgx);
-        acc[i] += dv * xh;
-        acc[N + i] += dv;
+        const float dv = dc[k].template value<true>(j), xh = (xc[k].template value<true>(j) - mean[k]) * rstd[k];
+        out[j] = norm_dx(dv * sc[j], xh, rstd[k], mg[k], mgx[k]);
+        acc[j] += dv * xh;
+        acc[PACK + j] += dv;
       }
       store(row * a.cols + col, out);
     }
   }
   row_split_exit<true>();
   // The cluster's partial row: its blocks own disjoint columns.
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int64_t col = (tid + int64_t(k) * span) * PACK;
-    if (col >= a.cols) continue;
+  if (owns) {
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
-      const int i = k * PACK + j;
-      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = acc[i];
-      if (part_db) part_db[sp.first_row * a.cols + col + j] = acc[N + i];
+      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = acc[j];
+      if (part_db) part_db[sp.first_row * a.cols + col + j] = acc[PACK + j];
     }
   }
 }
@@ -1417,24 +1497,22 @@ cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
 
 // The cluster tier's 16-bit rows with partials in shared memory (bwd_cluster_smem_kernel;
 // knob JAX_OPS_NORM_BWD_CLUSTER_SMEM, 0 = the register kernel) where clusters of up to
-// 8 blocks of JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS (256) threads hold the row: up to
-// 32768 columns. Its partial rows are one per cluster, and with half the threads a row
-// there are twice the clusters of the register kernel: its workspace doubles (15.5 MiB
-// for LayerNorm at 16384-32768 columns, within autodiff's 16.1). Longer rows keep the
-// register kernel, whose workspace (7.5 MiB at 65536) is already above autodiff's
-// (4.0). False where it does not apply.
+// 8 blocks of JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS (512) threads, one pack a thread,
+// hold the row: up to 32768 columns. Its partial rows are one per cluster, as many as
+// the register kernel's. Longer rows keep the register kernel. False where it does not
+// apply.
 template <typename T, typename P, int PACK, typename S>
 bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
   constexpr int K = 2;
   static const int on = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM", 1);
-  static const int knob_threads = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS", 256);
+  static const int knob_threads = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS", 512);
   const int max_threads = knob_threads < 32 ? 32 : (knob_threads > 1024 ? 1024 : knob_threads);
   auto kernel = bwd_cluster_smem_kernel<T, P, PACK, K, S>;
   if (!on || !clusters_supported(kernel)) return false;
   const int64_t nvec = a.cols / PACK;
-  const ClusterShape shape = cluster_shape(nvec, max_threads, K);
-  if (shape.threads > max_threads || int64_t(shape.cs) * shape.threads * K < nvec) return false;
-  const size_t smem = size_t(3 * K * PACK + 1) * size_t(shape.threads) * sizeof(float);
+  const ClusterShape shape = cluster_shape(nvec, max_threads, 1);
+  if (shape.threads > max_threads || int64_t(shape.cs) * shape.threads < nvec) return false;
+  const size_t smem = size_t(3 * PACK + 1) * size_t(shape.threads) * sizeof(float);
   int64_t clusters = 0;
   if (allow_smem(kernel, smem) != cudaSuccess ||
       cluster_grid(kernel, shape.cs, shape.threads, cap_blocks(a, a.rows), &clusters, smem) != cudaSuccess) {
