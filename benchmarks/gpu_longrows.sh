@@ -68,14 +68,14 @@ if has ab && [ -f .carry/_ffi_old.so.gz ]; then
   so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
   for build in old new; do
     if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
-    for dt in bf16 f16 f32; do
+    for dt in ${AB_DTYPES:-bf16 f16 f32}; do
       cols=${AB_COLS:-8192,16384,32768}; [ $dt = f32 ] && cols=${AB_COLS_F32:-4096,8192,16384}
       echo "== $build $dt"
       timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op layer_norm,rms_norm,add_layer_norm \
         --mode fwd --cols $cols
     done
     echo "== $build bf16 bwd"
-    timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda --op layer_norm,rms_norm,add_layer_norm \
+    [ -n "${AB_BWD_COLS-x}" ] && timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda --op layer_norm,rms_norm,add_layer_norm \
       --mode bwd --cols ${AB_BWD_COLS:-16384,32768}
   done > "$OUT/ab.txt" 2>&1
   cp /tmp/ffi_new.so "$so"
@@ -89,5 +89,28 @@ if has knobtests; then
   JAX_OPS_NORM_FWD_PARAM_LOADS=${TEST_MODE:-6} ROWS=300 timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 benchmarks/sanitize_norm.py 16384,32768 > "$OUT/knobsan.txt" 2>&1; echo "memcheck rc $?" | tee -a "$LOG"
   stage_done knobtests
+fi
+# Forward experiment knobs (builds of the tenth session's second half only):
+# JAX_OPS_NORM_FWD_FLAGS (1 next row staged by cp.async, 2 equal-count merge) and
+# JAX_OPS_NORM_FWD_STAGE_MIN_THREADS, "FLAGS:MIN_THREADS" pairs in FLAG_SETS.
+if has flags; then
+  for fs in ${FLAG_SETS:-0:0 1:0 1:1024 2:0 3:1024}; do
+    echo "== flags ${fs%%:*} stage_min_threads ${fs##*:}"
+    JAX_OPS_NORM_FWD_FLAGS=${fs%%:*} JAX_OPS_NORM_FWD_STAGE_MIN_THREADS=${fs##*:} timeout 120 python3 benchmarks/norm_params_probe.py
+  done > "$OUT/flags.txt" 2>&1
+  grep -E "^== |^cols" "$OUT/flags.txt" | tee -a "$LOG"
+  stage_done flags
+fi
+if has flagtests; then
+  export JAX_OPS_NORM_FWD_FLAGS=${TEST_FLAGS:-3} JAX_OPS_NORM_FWD_STAGE_MIN_THREADS=${TEST_MIN_THREADS:-0}
+  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
+    -k "${TEST_K:-4096 or 5000 or 8192 or 16384 or 24577 or 32768}" > "$OUT/flagtests.txt" 2>&1
+  tail -2 "$OUT/flagtests.txt" | tee -a "$LOG"
+  for tool in memcheck synccheck; do
+    ROWS=300 timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      4104,8192,16384,32768 > "$OUT/flagsan_$tool.txt" 2>&1; echo "$tool rc $?" | tee -a "$LOG"
+  done
+  unset JAX_OPS_NORM_FWD_FLAGS JAX_OPS_NORM_FWD_STAGE_MIN_THREADS
+  stage_done flagtests
 fi
 has workspace && workspace_stage

@@ -78,18 +78,51 @@ __device__ __forceinline__ NormAcc group_merge(NormAcc acc, bool rms) {
   return acc;
 }
 
-// Whole-block merge; returns the row statistics to every thread.
-__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms) {
+// Chan's merge of two halves holding the same count n each: no division (the general
+// Welford merge divides by the summed count, and lanes diverge on which state goes first).
+// The lower lane's state goes first, so every lane ends with bitwise equal stats.
+template <int WIDTH>
+__device__ __forceinline__ void group_merge_equal(float& mean, float& m2, float& n, int lane, bool rms) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) {
+    const float om = __shfl_xor_sync(0xffffffffu, mean, off), oq = __shfl_xor_sync(0xffffffffu, m2, off);
+    const bool upper = lane & off;
+    const float lo_m = upper ? om : mean, hi_m = upper ? mean : om;
+    const float lo_q = upper ? oq : m2, hi_q = upper ? m2 : oq;
+    const float d = hi_m - lo_m;
+    mean = rms ? 0.f : 0.5f * (lo_m + hi_m);
+    m2 = (lo_q + hi_q) + (rms ? 0.f : d * d * (0.5f * n));
+    n *= 2.f;
+  }
+}
+
+// Whole-block merge; returns the row statistics to every thread. `uniform`: every thread
+// holds the same count (the row is K packs of every thread), so the warps merge equal
+// halves without division, and warp 0 too when the warps are a power of two. (The
+// general merges took 6-10 % of the LayerNorm forward at 16384-32768 columns on the
+// H100: docs/perf-notes.md.)
+__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms, bool uniform = false) {
   __shared__ float red[3][32];
   __shared__ RowStats bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
-  acc = group_merge<32>(acc, rms);
+  uniform = uniform && blockDim.x % 32 == 0;
+  if (uniform) group_merge_equal<32>(acc.mean, acc.m2, acc.count, lane, rms);
+  else acc = group_merge<32>(acc, rms);
   if (lane == 0) { red[0][warp] = acc.mean; red[1][warp] = acc.m2; red[2][warp] = acc.count; }
   __syncthreads();
   if (warp == 0) {
     NormAcc w;
     if (lane < nwarps) { w.mean = red[0][lane]; w.m2 = red[1][lane]; w.count = red[2][lane]; }
-    w = group_merge<32>(w, rms);
+    if (uniform && (nwarps & (nwarps - 1)) == 0) {
+      // Lanes past nwarps exchange only among themselves (offsets < nwarps).
+      if (nwarps == 32) group_merge_equal<32>(w.mean, w.m2, w.count, lane, rms);
+      else if (nwarps == 16) group_merge_equal<16>(w.mean, w.m2, w.count, lane, rms);
+      else if (nwarps == 8) group_merge_equal<8>(w.mean, w.m2, w.count, lane, rms);
+      else if (nwarps == 4) group_merge_equal<4>(w.mean, w.m2, w.count, lane, rms);
+      else if (nwarps == 2) group_merge_equal<2>(w.mean, w.m2, w.count, lane, rms);
+    } else {
+      w = group_merge<32>(w, rms);
+    }
     if (lane == 0) bcast = finish_stats(w, cols, eps, rms);
   }
   __syncthreads();
@@ -465,7 +498,7 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
       load_param<P, PACK>(a.scale, int64_t(threadIdx.x) * PACK, 1.f, sc);
       load_param<P, PACK>(a.bias, int64_t(threadIdx.x) * PACK, 0.f, bi);
     }
-    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
+    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms, nvec == int64_t(K) * blockDim.x);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
@@ -508,7 +541,7 @@ __global__ void fwd_block_kernel(typename L::Args a) {
       for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
       acc.add_pack(f, a.rms);
     }
-    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms);
+    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms, nvec % blockDim.x == 0);
 #pragma unroll 4
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       PackT pk;

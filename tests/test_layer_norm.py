@@ -295,11 +295,15 @@ def test_matches_reference(case, impl):
 # on sm_90 the cluster tier's exchange slots alternate row by row, and the backward's
 # bulk-staged block tier (16-bit rows of 4096-8192 columns, 3 rows a block in shared
 # memory) refills every stage several times over (H100: 264 blocks at 4096 columns,
-# 132 at 8192; 6000 columns: a block's second run of packs is partial).
+# 132 at 8192; 6000 columns: a block's second run of packs is partial). The forward's
+# block tier merges its statistics without division where every thread holds K packs:
+# 6144 bf16 and 12288 float32 columns are such rows over 6 and 24 warps (warp 0's merge
+# then is the general one), 8192 and 16384 over a power of two.
 MANY_LONG_ROWS = [((300, 8200), "bfloat16"), ((263, 16384), "bfloat16"), ((97, 24577), "float32"),
                   ((70, 32768), "float16"), ((40, 65536), "bfloat16"), ((33, 70000), "float32"),
                   ((2501, 4096), "float16"), ((1701, 6000), "bfloat16"), ((1201, 8192), "bfloat16"),
-                  ((1601, 16384), "bfloat16"), ((801, 16384), "float32")]
+                  ((1601, 16384), "bfloat16"), ((801, 16384), "float32"), ((300, 6144), "bfloat16"),
+                  ((120, 12288), "float32")]
 
 
 @pytest.mark.heavy
