@@ -360,7 +360,6 @@ __device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], 
   return RowStats{mean, rsqrt_f32(var + a.eps)};
 }
 
-
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
 __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args a) {
   constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
@@ -1370,8 +1369,9 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
   }
   int blocks = 0;
   if ((err = resident_blocks(kernel, kRegsThreads, smem, work_blocks, &blocks)) != cudaSuccess) return err;
-  return run_bwd_grid<P>(a, cap_blocks(a, blocks), stream, plan, [&](float* ds, float* db) {
-    kernel<<<unsigned(cap_blocks(a, blocks)), kRegsThreads, smem, stream>>>(a, ds, db);
+  const int64_t parts = cap_blocks(a, blocks);
+  return run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
+    kernel<<<unsigned(parts), kRegsThreads, smem, stream>>>(a, ds, db);
     return cudaGetLastError();
   });
 }
@@ -1383,14 +1383,12 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   });
 }
 
-
 // The block tier's rows staged by bulk copies: JAX_OPS_NORM_BWD_BULK_STAGES rows a block
 // (0 turns it off), from JAX_OPS_NORM_BWD_BULK_MIN_COLS columns (default kBwdBulkMinCols).
 inline int bwd_bulk_stages() {
   static const int stages = env_knob("JAX_OPS_NORM_BWD_BULK_STAGES", 3);
   return stages >= 2 && stages <= kBulkBarrierBytes / 8 ? stages : 0;
 }
-
 
 // The bulk kernel's grid when it applies (sm_90 code and device, its shared memory
 // granted): *parts blocks of `threads` (<= kBwdBulkMaxThreads), or *parts clusters of
