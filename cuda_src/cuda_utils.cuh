@@ -262,21 +262,6 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// The same barrier where only some warps publish shared-memory writes: they arrive
-// with release, the others relaxed, so those do not wait for their own stores in
-// flight (the cluster backward: 6-7 % faster at 16384-32768 columns on the H100).
-// `publishes` must be the same for every thread of a warp (measured: thread 0 arriving
-// with release and the other lanes of its warp relaxed hung the cluster).
-__device__ __forceinline__ void cluster_sync_publishing(bool publishes) {
-#ifdef JO_HAS_CLUSTERS
-  if (publishes) asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-  else asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
 // The address of `p` (this block's shared memory) in block `rank` of the cluster.
 template <typename V>
 __device__ __forceinline__ const V* cluster_map(const V* p, int rank) {
@@ -343,6 +328,52 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                    smem_address(dst)),
                "l"(src), "r"(bytes), "r"(smem_address(bar))
                : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Wait until the phase of `bar` with this parity has completed, where the bytes counted
+// on it came from other blocks of the cluster (st.async): acquire at cluster scope.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
+#ifdef JO_HAS_CLUSTERS
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_address(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
+// Store N floats (2 or 4) to block `rank` of the cluster, at the address `dst` has in
+// this block's shared memory, their bytes completing on that block's barrier at the
+// address of `bar`. Asynchronous: nothing waits for it here, not even its release.
+template <int N>
+__device__ __forceinline__ void store_remote(float* dst, const float (&v)[N], uint64_t* bar, int rank) {
+  static_assert(N == 2 || N == 4, "st.async vectors of 2 or 4");
+#ifdef JO_HAS_CLUSTERS
+  if constexpr (N == 4) {
+    asm volatile(
+        "{\n.reg .b32 rd, rb;\n"
+        "mapa.shared::cluster.u32 rd, %0, %2;\n"
+        "mapa.shared::cluster.u32 rb, %1, %2;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [rd], {%3, %4, %5, %6}, [rb];\n}\n" ::"r"(
+            smem_address(dst)),
+        "r"(smem_address(bar)), "r"(rank), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n.reg .b32 rd, rb;\n"
+        "mapa.shared::cluster.u32 rd, %0, %2;\n"
+        "mapa.shared::cluster.u32 rb, %1, %2;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [rd], {%3, %4}, [rb];\n}\n" ::"r"(
+            smem_address(dst)),
+        "r"(smem_address(bar)), "r"(rank), "f"(v[0]), "f"(v[1])
+        : "memory");
+  }
 #else
   __trap();
 #endif

@@ -129,26 +129,19 @@ __device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float
   return bcast;
 }
 
-// Block sums of two values (fixed order), valid in warp 0.
-__device__ __forceinline__ float2 block_sum2_warp0(float a, float b) {
+// Sums of two values over the block, returned to every thread (fixed order).
+__device__ __forceinline__ float2 block_sum2(float a, float b) {
   __shared__ float red[2][32];
+  __shared__ float2 bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
   a = group_sum<32>(a); b = group_sum<32>(b);
   if (lane == 0) { red[0][warp] = a; red[1][warp] = b; }
   __syncthreads();
-  float wa = 0.f, wb = 0.f;
   if (warp == 0) {
-    wa = lane < nwarps ? red[0][lane] : 0.f; wb = lane < nwarps ? red[1][lane] : 0.f;
-    wa = group_sum<32>(wa); wb = group_sum<32>(wb);
+    const float wa = group_sum<32>(lane < nwarps ? red[0][lane] : 0.f);
+    const float wb = group_sum<32>(lane < nwarps ? red[1][lane] : 0.f);
+    if (lane == 0) bcast = make_float2(wa, wb);
   }
-  return make_float2(wa, wb);
-}
-
-// Sums of two values over the block, returned to every thread (fixed order).
-__device__ __forceinline__ float2 block_sum2(float a, float b) {
-  __shared__ float2 bcast;
-  const float2 w = block_sum2_warp0(a, b);
-  if (threadIdx.x == 0) bcast = w;
   __syncthreads();
   return bcast;
 }
@@ -156,12 +149,9 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 // ------------------------------------------- rows split over a cluster (sm_90) ---
 // Backward rows longer than one block holds in registers are split over the blocks
 // of a thread-block cluster: each block keeps its column slice and its dscale/dbias
-// partials (across all of its rows) in registers, and the row sums are exchanged
-// through distributed shared memory. One cluster barrier per row:
-// each block publishes its block-level partial in the slot of the row's parity, so
-// a block already on the next row writes the other slot; every block merges the
-// partials of ranks 0..size-1 in the same fixed tree, so all get bitwise equal
-// results. Without CLUSTER the same kernels run a block per row.
+// partials (across all of its rows) in registers or shared memory, and the row sums
+// are exchanged through distributed shared memory (ClusterSum). Without CLUSTER the
+// same kernels run a block per row.
 
 // A block's share of the work: its rows (those of its cluster) and, through its
 // rank, its columns.
@@ -184,47 +174,90 @@ __device__ __forceinline__ RowSplit row_split() {
   }
 }
 
-// Sums of two values over the block or the cluster, returned to every thread.
+// Sums of N values over the cluster, returned to every thread, with no cluster barrier.
+// Use u (a row, or a pair of rows) goes through buffer u % 2 of every block: warp 0 of
+// each block pushes the block's sums (st.async) into slot [its rank] of every block's
+// buffer, the bytes completing on that buffer's mbarrier; a block waits for size * N
+// floats there and adds the slots in a fixed tree, the same in every block, so all get
+// bitwise equal sums. (It replaced a cluster barrier a row, where warp 0 arrived with
+// release and so waited for its stores in flight every row: the cluster backward is
+// 1.07-1.10x faster at 16384-32768 bf16 columns, 1.25x at 65536, 1.03x with float32
+// rows on the H100, docs/perf-notes.md.) Reuse is safe without more barriers: block A
+// pushes use u + 2 into block B only once it has B's push of u + 1, which B sends after
+// a block barrier that its threads pass only when done reading u's slots, and after its
+// thread 0 re-armed the buffer.
+template <int N>
+struct ClusterSum {
+  struct alignas(16) Smem {
+    uint64_t bar[2];
+    float slot[2][kMaxClusterBlocks][N];
+    float red[2][N][32];
+  };
+  static __device__ __forceinline__ Smem& smem() {
+    __shared__ Smem storage;
+    return storage;
+  }
+  static __device__ __forceinline__ uint32_t bytes() { return uint32_t(cluster_size() * N * sizeof(float)); }
+
+  // By every thread of the cluster before the first use: both buffers' barriers
+  // initialized and armed before any block pushes.
+  static __device__ __forceinline__ void init() {
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < 2; ++p) {
+        mbarrier_init(&smem().bar[p], 1);
+        mbarrier_arrive_expect(&smem().bar[p], bytes());
+      }
+    }
+    cluster_sync();
+  }
+
+  // The block's sums of v (fixed order), pushed to every block of the cluster.
+  static __device__ __forceinline__ void publish(const float (&v)[N], int use) {
+    Smem& s = smem();
+    const int p = use & 1, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+    float w[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = group_sum<32>(v[i]);
+    if (lane == 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) s.red[p][i][warp] = w[i];
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) w[i] = group_sum<32>(lane < nwarps ? s.red[p][i][lane] : 0.f);
+      if (lane < cluster_size()) store_remote<N>(s.slot[p][cluster_rank()], w, &s.bar[p], lane);
+    }
+  }
+
+  // The cluster's sums of use `use`; the buffer's barrier is then armed for use + 2.
+  static __device__ __forceinline__ void collect(float (&out)[N], int use) {
+    Smem& s = smem();
+    const int p = use & 1;
+    mbarrier_wait_cluster(&s.bar[p], uint32_t(use >> 1) & 1u);
+    const int r = int(threadIdx.x % kMaxClusterBlocks);  // lanes r add slot r (a fixed tree)
+    const bool has = r < cluster_size();
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = group_sum<kMaxClusterBlocks>(has ? s.slot[p][r][i] : 0.f);
+    if (threadIdx.x == 0) mbarrier_arrive_expect(&s.bar[p], bytes());
+  }
+};
+
+// Sums of two values over the block or the cluster (use: the row's index among the
+// block's rows), returned to every thread.
 template <bool CLUSTER>
-__device__ __forceinline__ float2 row_sum2(float a, float b, int parity) {
+__device__ __forceinline__ float2 row_sum2(float a, float b, int use) {
   if constexpr (!CLUSTER) {
     return block_sum2(a, b);
   } else {
-    __shared__ float2 part[2];
-    const float2 w = block_sum2_warp0(a, b);
-    if (threadIdx.x == 0) part[parity] = w;
-    cluster_sync_publishing(threadIdx.x < 32);  // only warp 0 wrote what others read
-    float2 c = make_float2(0.f, 0.f);
-    const int r = int(threadIdx.x % kMaxClusterBlocks);
-    if (r < cluster_size()) c = *cluster_map(&part[parity], r);
-    return make_float2(group_sum<kMaxClusterBlocks>(c.x), group_sum<kMaxClusterBlocks>(c.y));
+    float v[2] = {a, b};
+    ClusterSum<2>::publish(v, use);
+    ClusterSum<2>::collect(v, use);
+    return make_float2(v[0], v[1]);
   }
 }
 
-// Sums of four values over the cluster (two rows' sum_g and sum_gx), returned to every
-// thread: one block reduction and one cluster barrier for both rows.
-__device__ __forceinline__ float4 cluster_sum4(float4 v, int parity) {
-  __shared__ float red[4][32];
-  __shared__ float4 part[2];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
-  v = make_float4(group_sum<32>(v.x), group_sum<32>(v.y), group_sum<32>(v.z), group_sum<32>(v.w));
-  if (lane == 0) { red[0][warp] = v.x; red[1][warp] = v.y; red[2][warp] = v.z; red[3][warp] = v.w; }
-  __syncthreads();
-  if (warp == 0) {
-    float4 w = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lane < nwarps) w = make_float4(red[0][lane], red[1][lane], red[2][lane], red[3][lane]);
-    w = make_float4(group_sum<32>(w.x), group_sum<32>(w.y), group_sum<32>(w.z), group_sum<32>(w.w));
-    if (lane == 0) part[parity] = w;
-  }
-  cluster_sync_publishing(threadIdx.x < 32);  // only warp 0 wrote what others read
-  float4 c = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int r = int(threadIdx.x % kMaxClusterBlocks);
-  if (r < cluster_size()) c = *cluster_map(&part[parity], r);
-  return make_float4(group_sum<kMaxClusterBlocks>(c.x), group_sum<kMaxClusterBlocks>(c.y),
-                     group_sum<kMaxClusterBlocks>(c.z), group_sum<kMaxClusterBlocks>(c.w));
-}
-
-// A block may leave only when no other block of its cluster still reads its
+// A block may leave only when no other block of its cluster still accesses its
 // shared memory.
 template <bool CLUSTER>
 __device__ __forceinline__ void row_split_exit() {
@@ -715,7 +748,7 @@ template <typename T, int PACK, int K, bool CLUSTER, typename S, typename AfterS
 __device__ __forceinline__ void bwd_block_row(const BwdArgs& a, const S& store, const RowSplit& sp, int64_t row,
                                               float mean, float rstd, const Pack<T, PACK> (&xc)[K],
                                               const Pack<T, PACK> (&dc)[K], const float (&sc)[K * PACK],
-                                              float (&ds)[K * PACK], float (&db)[K * PACK], int parity,
+                                              float (&ds)[K * PACK], float (&db)[K * PACK], int use,
                                               AfterSums&& after_sums) {
   constexpr int N = K * PACK;
   const int64_t tid = sp.thread(), span = sp.threads();
@@ -734,7 +767,7 @@ __device__ __forceinline__ void bwd_block_row(const BwdArgs& a, const S& store, 
       sum_gx += g[i] * xh[i];
     }
   }
-  const float2 sums = row_sum2<CLUSTER>(sum_g, sum_gx, parity);
+  const float2 sums = row_sum2<CLUSTER>(sum_g, sum_gx, use);
   after_sums();
   const float inv_n = 1.f / float(a.cols);
   const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
@@ -820,9 +853,10 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
   bwd_thread_scale<P, PACK, K>(a, sp, sc);
   // A block per row loads the next row's x and dy before this row's block sums: they
   // stay in flight through its barriers (LayerNorm bwd at 8192 columns: 1036 -> 965 us
-  // on the H100). In a cluster the barrier would wait for them (and the extra
-  // registers spill), so there the row is loaded when it starts. Every element is
-  // written (zeros past the row's end): nothing of a row stays live into the next.
+  // on the H100). In a cluster (8 values a thread, partials and scale in registers)
+  // the extra registers would spill, so there the row is loaded when it starts. Every
+  // element is written (zeros past the row's end): nothing of a row stays live into the
+  // next.
   Pack<T, PACK> xn[K], dn[K];
   float mean_n = 0.f, rstd_n = 0.f;
   const auto load_row = [&](int64_t row) {
@@ -840,16 +874,17 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
       }
     }
   };
+  if constexpr (CLUSTER) ClusterSum<2>::init();
   if (!CLUSTER && sp.first_row < a.rows) load_row(sp.first_row);
-  int parity = 0;
-  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, parity ^= 1) {
+  int use = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, ++use) {
     if constexpr (CLUSTER) load_row(row);
     const float mean = mean_n, rstd = rstd_n;
     Pack<T, PACK> xc[K], dc[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) { xc[k] = xn[k]; dc[k] = dn[k]; }
     if (!CLUSTER && row + sp.step < a.rows) load_row(row + sp.step);
-    bwd_block_row<T, PACK, K, CLUSTER>(a, store, sp, row, mean, rstd, xc, dc, sc, ds, db, parity, [] {});
+    bwd_block_row<T, PACK, K, CLUSTER>(a, store, sp, row, mean, rstd, xc, dc, sc, ds, db, use, [] {});
   }
   row_split_exit<CLUSTER>();
   bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
@@ -858,18 +893,20 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
 // The cluster tier for 16-bit rows, two rows at a time. In registers, the dscale/dbias
 // partials take 2 of about 4 registers an element, so at 64 registers a thread (1024
 // threads an SM) a thread holds 8 elements: 16 bytes of x and 16 of dy in flight through
-// each row's cluster barrier, half what float32 rows have (their cluster backward runs
-// at 93 % of the 3X floor, 16-bit at 79 %). Here a thread holds one pack of K = 2 rows
+// each row's exchange, half what float32 rows have (their cluster backward ran at 93 %
+// of the 3X floor, 16-bit at 79 %). Here a thread holds one pack of K = 2 rows
 // (32 + 32 bytes in flight), and adds to its partials in shared memory, and reads its
 // scale values from there: a row of 3 * PACK + 1 floats a thread (scale, ds, db), so
 // that every access is one base register plus an immediate offset, and the odd stride
-// keeps a warp's accesses on 32 different banks. The rows share one cluster reduction,
+// keeps a warp's accesses on 32 different banks. The rows share one cluster exchange,
 // and their partials one accumulator: the partial rows (one per cluster) are those of
 // the register kernel. (The first version, two packs of one row a thread, had twice
-// the partial rows: 15.5 MiB of workspace for LayerNorm at 16384-32768 columns.)
+// the partial rows: 15.5 MiB of workspace for LayerNorm at 16384-32768 columns. The
+// next two rows loaded ahead of the exchange spill at 64 registers, whether held in
+// registers or copied into shared memory by cp.async: 1.15-1.4x slower, measured.)
 template <typename T, typename P, int PACK, int K, typename S>
 __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args a, float* part_ds, float* part_db) {
-  static_assert(K == 2, "two rows an iteration (cluster_sum4)");
+  static_assert(K == 2, "two rows an exchange");
   extern __shared__ float acc_all[];  // [blockDim][3 * PACK + 1]: scale, ds, db
   float* sc = acc_all + threadIdx.x * (3 * PACK + 1);
   float* acc = sc + PACK;
@@ -887,9 +924,10 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   }
 #pragma unroll
   for (int i = 0; i < 2 * PACK; ++i) acc[i] = 0.f;
+  ClusterSum<2 * K>::init();
   const float inv_n = 1.f / float(a.cols);
-  int parity = 0;
-  for (int64_t row0 = sp.first_row; row0 < a.rows; row0 += K * sp.step, parity ^= 1) {
+  int use = 0;
+  for (int64_t row0 = sp.first_row; row0 < a.rows; row0 += K * sp.step, ++use) {
     RowWords<T, PACK> xc[K], dc[K];  // two values a register (see fwd_block_regs_kernel)
     float mean[K], rstd[K];
 #pragma unroll
@@ -915,9 +953,11 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
         sum_g[k] += g;
         sum_gx[k] += g * ((xc[k].template value<false>(j) - mean[k]) * rstd[k]);
       }
-    const float4 sums = cluster_sum4(make_float4(sum_g[0], sum_gx[0], sum_g[1], sum_gx[1]), parity);
-    const float mg[K] = {a.rms ? 0.f : sums.x * inv_n, a.rms ? 0.f : sums.z * inv_n};
-    const float mgx[K] = {sums.y * inv_n, sums.w * inv_n};
+    float sums[2 * K] = {sum_g[0], sum_gx[0], sum_g[1], sum_gx[1]};
+    ClusterSum<2 * K>::publish(sums, use);
+    ClusterSum<2 * K>::collect(sums, use);
+    const float mg[K] = {a.rms ? 0.f : sums[0] * inv_n, a.rms ? 0.f : sums[2] * inv_n};
+    const float mgx[K] = {sums[1] * inv_n, sums[3] * inv_n};
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t row = row0 + k * sp.step;

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One device call (eleventh session, issue 20): the cluster backward's row sums exchanged
+# by st.async pushes onto mbarriers (no cluster barrier a row), its next rows copied by
+# cp.async. Stages: tests (norm tests at the cluster widths, TEST_K), sanitize
+# (memcheck / synccheck at SAN_COLS, racecheck at RACE_COLS), ab (the backward of
+# .carry/_ffi_old.so.gz, the previous build, against this one, same run), sweep (step and
+# fwd_bwd, auto / cuda / flax at SWEEP_COLS), fulltests, workspace.
+# Usage: bash benchmarks/gpu_cluster_exchange.sh [stages]
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-tests,sanitize,ab,sweep}
+source benchmarks/gpu_stages.sh
+if has tests; then
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py \
+    tests/test_add_norm.py -k "${TEST_K:-16384 or 24577 or 32768 or 65536 or cluster}" > "$OUT/tests.txt" 2>&1
+  tail -2 "$OUT/tests.txt" | tee -a "$LOG"
+  stage_done tests
+fi
+if has sanitize; then
+  { for tool in memcheck synccheck; do
+      ROWS=${SAN_ROWS:-301} timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+        ${SAN_COLS:-16384,24577,32768,65536} 2>&1; echo "$tool rc $?"
+    done
+    ROWS=${SAN_ROWS:-301} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      ${RACE_COLS:-16384} 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
+  grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
+  stage_done sanitize
+fi
+if has ab && [ -f .carry/_ffi_old.so.gz ]; then
+  so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
+  for build in old new; do
+    if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
+    for dt in ${AB_DTYPES:-bf16 f16 f32}; do
+      cols=${AB_COLS:-16384,32768,65536}; [ $dt = f32 ] && cols=${AB_COLS_F32:-16384,32768}
+      echo "== $build $dt"
+      timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op ${AB_OPS:-layer_norm,rms_norm,add_layer_norm} \
+        --mode bwd --cols $cols
+    done
+  done > "$OUT/ab.txt" 2>&1
+  cp /tmp/ffi_new.so "$so"
+  grep -E "^== |^[a-z_]+ bwd " "$OUT/ab.txt" | tee -a "$LOG"
+  stage_done ab
+fi
+if has sweep; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl ${SWEEP_IMPLS:-auto,cuda,flax} \
+    --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} \
+    --cols ${SWEEP_COLS:-16384,32768} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/sweep.txt" | tee -a "$LOG"
+  stage_done sweep
+fi
+has fulltests && norm_tests
+has workspace && workspace_stage
+# Experiment settings: each word of FLAG_ENVS is an environment assignment (knobs of
+# this build), the bf16 backward at FLAG_COLS under each; then f32 and 65536 (FLAG_ROWS
+# rows) old build against new.
+if has flags; then
+  for e in ${FLAG_ENVS:-JAX_OPS_NORM_BWD_CLUSTER_FLAGS=0 JAX_OPS_NORM_BWD_CLUSTER_FLAGS=2 JAX_OPS_NORM_BWD_CLUSTER_SMEM=0}; do
+    echo "== $e"
+    env JAX_OPS_NORM_DEBUG=1 $e timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype bf16 \
+      --impl cuda --op ${FLAG_OPS:-layer_norm,rms_norm,add_layer_norm} --mode bwd --cols ${FLAG_COLS:-16384,32768} 2>&1 \
+      | grep -E "bwd .*cuda|cluster_smem" | sort -u
+  done > "$OUT/flags.txt" 2>&1
+  cat "$OUT/flags.txt" | tee -a "$LOG"
+  stage_done flags
+fi
+if has abother && [ -f .carry/_ffi_old.so.gz ]; then
+  so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
+  for build in old new; do
+    if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
+    echo "== $build"
+    timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype f32 --impl cuda --op layer_norm,rms_norm --mode bwd --cols 16384
+    timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --rows ${FLAG_ROWS:-8192} --impl cuda --op layer_norm,rms_norm \
+      --mode bwd --cols 65536
+  done > "$OUT/abother.txt" 2>&1
+  cp /tmp/ffi_new.so "$so"
+  grep -E "^== |^[a-z_]+ bwd " "$OUT/abother.txt" | tee -a "$LOG"
+  stage_done abother
+fi
+# 65536 columns at WIDE_ROWS rows (49152 rows of 65536 do not fit the benchmark's
+# rotated inputs), and add+norm at 16384.
+if has sweepwide; then
+  timeout 200 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --rows ${WIDE_ROWS:-8192} --impl auto,cuda,flax \
+    --op layer_norm,rms_norm --mode fwd,bwd,step,fwd_bwd --cols 65536 --json "$OUT/sweep_wide.json" > "$OUT/sweep_wide.txt" 2>&1
+  timeout 200 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl auto,cuda,flax \
+    --op add_layer_norm,add_rms_norm --mode fwd,bwd,step,fwd_bwd --cols 16384 --json "$OUT/sweep_add.json" > "$OUT/sweep_add.txt" 2>&1
+  grep -hE "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/sweep_wide.txt" "$OUT/sweep_add.txt" | tee -a "$LOG"
+  stage_done sweepwide
+fi
