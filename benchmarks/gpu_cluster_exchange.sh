@@ -50,8 +50,9 @@ if has sweep; then
 fi
 has fulltests && norm_tests
 has workspace && workspace_stage
-# Experiment settings: each word of FLAG_ENVS is an environment assignment (knobs of
-# this build), the bf16 backward at FLAG_COLS under each; then f32 and 65536 (FLAG_ROWS
+# Experiment settings: each word of FLAG_ENVS is an environment assignment (knobs of the
+# build carried; JAX_OPS_NORM_BWD_CLUSTER_FLAGS existed only in the experiment builds of
+# runs 2-4), the bf16 backward at FLAG_COLS under each; then f32 and 65536 (FLAG_ROWS
 # rows) old build against new.
 if has flags; then
   for e in ${FLAG_ENVS:-JAX_OPS_NORM_BWD_CLUSTER_FLAGS=0 JAX_OPS_NORM_BWD_CLUSTER_FLAGS=2 JAX_OPS_NORM_BWD_CLUSTER_SMEM=0}; do
@@ -85,4 +86,24 @@ if has sweepwide; then
     --op add_layer_norm,add_rms_norm --mode fwd,bwd,step,fwd_bwd --cols 16384 --json "$OUT/sweep_add.json" > "$OUT/sweep_add.txt" 2>&1
   grep -hE "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/sweep_wide.txt" "$OUT/sweep_add.txt" | tee -a "$LOG"
   stage_done sweepwide
+fi
+# The cluster forward (rows over 4096 packs): off / K = 4 / K = 2 at 65536 (WIDE_ROWS rows),
+# and the same kernel taking 32768 (JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=4096). Its knobs
+# existed only in the experiment build of run 10 (results/2026-11-26_H100_clusterexchange;
+# slower, not kept): no-ops since.
+if has fwdcluster; then
+  for e in JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=0 JAX_OPS_NORM_FWD_CLUSTER_PACKS=4 JAX_OPS_NORM_FWD_CLUSTER_PACKS=2; do
+    echo "== $e"
+    env $e timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --rows ${WIDE_ROWS:-8192} --impl cuda \
+      --op layer_norm,rms_norm,add_layer_norm --mode fwd --cols 65536 2>&1 | grep "fwd bf16 rows"
+    env $e timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype f32 --rows ${WIDE_ROWS:-8192} --impl cuda \
+      --op layer_norm --mode fwd --cols 32768,65536 2>&1 | grep "fwd f32 rows"
+  done > "$OUT/fwdcluster.txt" 2>&1
+  for p in 4 2; do
+    echo "== JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=4096 PACKS=$p"
+    JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=4096 JAX_OPS_NORM_FWD_CLUSTER_PACKS=$p timeout 100 python3 -m jax_ops.bench --repeats 3 \
+      --dtype bf16 --impl cuda --op layer_norm,rms_norm --mode fwd --cols 32768 2>&1 | grep "fwd bf16 rows"
+  done >> "$OUT/fwdcluster.txt" 2>&1
+  cat "$OUT/fwdcluster.txt" | tee -a "$LOG"
+  stage_done fwdcluster
 fi
