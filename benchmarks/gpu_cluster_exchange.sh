@@ -26,18 +26,16 @@ if has sanitize; then
   grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
   stage_done sanitize
 fi
+ab_bwd() {
+  for dt in ${AB_DTYPES:-bf16 f16 f32}; do
+    cols=${AB_COLS:-16384,32768,65536}; [ $dt = f32 ] && cols=${AB_COLS_F32:-16384,32768}
+    echo "== $1 $dt"
+    timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op ${AB_OPS:-layer_norm,rms_norm,add_layer_norm} \
+      --mode bwd --cols $cols
+  done
+}
 if has ab && [ -f .carry/_ffi_old.so.gz ]; then
-  so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
-  for build in old new; do
-    if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
-    for dt in ${AB_DTYPES:-bf16 f16 f32}; do
-      cols=${AB_COLS:-16384,32768,65536}; [ $dt = f32 ] && cols=${AB_COLS_F32:-16384,32768}
-      echo "== $build $dt"
-      timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op ${AB_OPS:-layer_norm,rms_norm,add_layer_norm} \
-        --mode bwd --cols $cols
-    done
-  done > "$OUT/ab.txt" 2>&1
-  cp /tmp/ffi_new.so "$so"
+  ab_builds ab ab_bwd
   grep -E "^== |^[a-z_]+ bwd " "$OUT/ab.txt" | tee -a "$LOG"
   stage_done ab
 fi
@@ -64,16 +62,14 @@ if has flags; then
   cat "$OUT/flags.txt" | tee -a "$LOG"
   stage_done flags
 fi
+ab_other() {
+  echo "== $1"
+  timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype f32 --impl cuda --op layer_norm,rms_norm --mode bwd --cols 16384
+  timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --rows ${FLAG_ROWS:-8192} --impl cuda --op layer_norm,rms_norm \
+    --mode bwd --cols 65536
+}
 if has abother && [ -f .carry/_ffi_old.so.gz ]; then
-  so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
-  for build in old new; do
-    if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
-    echo "== $build"
-    timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype f32 --impl cuda --op layer_norm,rms_norm --mode bwd --cols 16384
-    timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --rows ${FLAG_ROWS:-8192} --impl cuda --op layer_norm,rms_norm \
-      --mode bwd --cols 65536
-  done > "$OUT/abother.txt" 2>&1
-  cp /tmp/ffi_new.so "$so"
+  ab_builds abother ab_other
   grep -E "^== |^[a-z_]+ bwd " "$OUT/abother.txt" | tee -a "$LOG"
   stage_done abother
 fi

@@ -64,21 +64,19 @@ if has memcheck; then
 fi
 # The forward of the committed build (.carry/_ffi_old.so.gz) against this one, cuda only
 # (and its backward at AB_BWD_COLS, bf16).
+ab_fwd() {
+  for dt in ${AB_DTYPES:-bf16 f16 f32}; do
+    cols=${AB_COLS:-8192,16384,32768}; [ $dt = f32 ] && cols=${AB_COLS_F32:-4096,8192,16384}
+    echo "== $1 $dt"
+    timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op layer_norm,rms_norm,add_layer_norm \
+      --mode fwd --cols $cols
+  done
+  echo "== $1 bf16 bwd"
+  [ -n "${AB_BWD_COLS-x}" ] && timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda --op layer_norm,rms_norm,add_layer_norm \
+    --mode bwd --cols ${AB_BWD_COLS:-16384,32768}
+}
 if has ab && [ -f .carry/_ffi_old.so.gz ]; then
-  so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
-  for build in old new; do
-    if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
-    for dt in ${AB_DTYPES:-bf16 f16 f32}; do
-      cols=${AB_COLS:-8192,16384,32768}; [ $dt = f32 ] && cols=${AB_COLS_F32:-4096,8192,16384}
-      echo "== $build $dt"
-      timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op layer_norm,rms_norm,add_layer_norm \
-        --mode fwd --cols $cols
-    done
-    echo "== $build bf16 bwd"
-    [ -n "${AB_BWD_COLS-x}" ] && timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda --op layer_norm,rms_norm,add_layer_norm \
-      --mode bwd --cols ${AB_BWD_COLS:-16384,32768}
-  done > "$OUT/ab.txt" 2>&1
-  cp /tmp/ffi_new.so "$so"
+  ab_builds ab ab_fwd
   grep -E "^== |^[a-z_]+ fwd " "$OUT/ab.txt" | tee -a "$LOG"
   stage_done ab
 fi

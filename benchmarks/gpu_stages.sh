@@ -32,3 +32,15 @@ workspace_stage() {
   grep -v Warning "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
 }
+# Runs the function named BODY once with the previous build (.carry/_ffi_old.so.gz) in
+# place and once with the carried one, the build's name ("old", "new") as its argument,
+# the output to $OUT/NAME.txt; the carried build is left in place: ab_builds NAME BODY
+ab_builds() {
+  local name=$1 body=$2 so build
+  so=$(ls jax_ops/_ffi*.so); cp "$so" /tmp/ffi_new.so
+  for build in old new; do
+    if [ $build = old ]; then gunzip -c .carry/_ffi_old.so.gz > "$so"; else cp /tmp/ffi_new.so "$so"; fi
+    $body $build
+  done > "$OUT/$name.txt" 2>&1
+  cp /tmp/ffi_new.so "$so"
+}

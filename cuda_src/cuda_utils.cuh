@@ -303,20 +303,24 @@ __device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t b
 #endif
 }
 
-// Wait until the phase of `bar` with this parity has completed (acquire: the copies'
-// bytes are visible to the block's reads after it).
+// Wait until the phase of `bar` with this parity has completed. Acquire: the bytes
+// counted on it are visible to the block's reads after it; CLUSTER_SCOPE where they came
+// from other blocks of the cluster (st.async), not from this block's bulk copies.
+#define JO_MBARRIER_WAIT(SEM)                                            \
+  "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity" SEM ".shared::cta.b64 done, [%0], %1;\n" \
+  "@!done bra WAIT;\n}\n"
+template <bool CLUSTER_SCOPE = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #ifdef JO_HAS_CLUSTERS
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_address(bar)),
-      "r"(parity)
-      : "memory");
+  if constexpr (CLUSTER_SCOPE)
+    asm volatile(JO_MBARRIER_WAIT(".acquire.cluster")::"r"(smem_address(bar)), "r"(parity) : "memory");
+  else
+    asm volatile(JO_MBARRIER_WAIT("")::"r"(smem_address(bar)), "r"(parity) : "memory");
 #else
   __trap();
 #endif
 }
+#undef JO_MBARRIER_WAIT
 
 // Copy `bytes` from global memory into this block's shared memory, completing on `bar`.
 // A buffer the block has read through ordinary loads is refilled only after a barrier
@@ -328,21 +332,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                    smem_address(dst)),
                "l"(src), "r"(bytes), "r"(smem_address(bar))
                : "memory");
-#else
-  __trap();
-#endif
-}
-
-// Wait until the phase of `bar` with this parity has completed, where the bytes counted
-// on it came from other blocks of the cluster (st.async): acquire at cluster scope.
-__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
-#ifdef JO_HAS_CLUSTERS
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(smem_address(bar)),
-      "r"(parity)
-      : "memory");
 #else
   __trap();
 #endif

@@ -234,7 +234,7 @@ struct ClusterSum {
   static __device__ __forceinline__ void collect(float (&out)[N], int use) {
     Smem& s = smem();
     const int p = use & 1;
-    mbarrier_wait_cluster(&s.bar[p], uint32_t(use >> 1) & 1u);
+    mbarrier_wait<true>(&s.bar[p], uint32_t(use >> 1) & 1u);
     const int r = int(threadIdx.x % kMaxClusterBlocks);  // lanes r add slot r (a fixed tree)
     const bool has = r < cluster_size();
 #pragma unroll
