@@ -83,23 +83,18 @@ if has sweepwide; then
   grep -hE "^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/sweep_wide.txt" "$OUT/sweep_add.txt" | tee -a "$LOG"
   stage_done sweepwide
 fi
-# The cluster forward (rows over 4096 packs): off / K = 4 / K = 2 at 65536 (WIDE_ROWS rows),
-# and the same kernel taking 32768 (JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=4096). Its knobs
-# existed only in the experiment build of run 10 (results/2026-11-26_H100_clusterexchange;
-# slower, not kept): no-ops since.
+# The forward's cached block tier split over a cluster (rows over 64 KiB), off
+# (JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=0) against on, at 65536 (WIDE_ROWS rows) and float32
+# 32768 / 65536. (Run 10 of results/2026-11-26_H100_clusterexchange measured another
+# cluster forward, the register tier split, with knobs of its own build only.)
 if has fwdcluster; then
-  for e in JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=0 JAX_OPS_NORM_FWD_CLUSTER_PACKS=4 JAX_OPS_NORM_FWD_CLUSTER_PACKS=2; do
+  for e in JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=0 JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES=65537; do
     echo "== $e"
     env $e timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --rows ${WIDE_ROWS:-8192} --impl cuda \
       --op layer_norm,rms_norm,add_layer_norm --mode fwd --cols 65536 2>&1 | grep "fwd bf16 rows"
     env $e timeout 100 python3 -m jax_ops.bench --repeats 3 --dtype f32 --rows ${WIDE_ROWS:-8192} --impl cuda \
-      --op layer_norm --mode fwd --cols 32768,65536 2>&1 | grep "fwd f32 rows"
+      --op layer_norm,rms_norm --mode fwd --cols 32768,65536 2>&1 | grep "fwd f32 rows"
   done > "$OUT/fwdcluster.txt" 2>&1
-  for p in 4 2; do
-    echo "== JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=4096 PACKS=$p"
-    JAX_OPS_NORM_FWD_CLUSTER_MIN_VEC=4096 JAX_OPS_NORM_FWD_CLUSTER_PACKS=$p timeout 100 python3 -m jax_ops.bench --repeats 3 \
-      --dtype bf16 --impl cuda --op layer_norm,rms_norm --mode fwd --cols 32768 2>&1 | grep "fwd bf16 rows"
-  done >> "$OUT/fwdcluster.txt" 2>&1
   cat "$OUT/fwdcluster.txt" | tee -a "$LOG"
   stage_done fwdcluster
 fi

@@ -96,14 +96,13 @@ __device__ __forceinline__ void group_merge_equal(float& mean, float& m2, float&
   }
 }
 
-// Whole-block merge; returns the row statistics to every thread. `uniform`: every thread
+// Whole-block merge, the block's state valid in warp 0. `uniform`: every thread
 // holds the same count (the row is K packs of every thread), so the warps merge equal
 // halves without division, and warp 0 too when the warps are a power of two. (The
 // general merges took 6-10 % of the LayerNorm forward at 16384-32768 columns on the
 // H100: docs/perf-notes.md.)
-__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms, bool uniform = false) {
+__device__ __forceinline__ NormAcc block_acc_warp0(NormAcc acc, bool rms, bool uniform) {
   __shared__ float red[3][32];
-  __shared__ RowStats bcast;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
   uniform = uniform && blockDim.x % 32 == 0;
   if (uniform) group_merge_equal<32>(acc.mean, acc.m2, acc.count, lane, rms);
@@ -123,8 +122,16 @@ __device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float
     } else {
       w = group_merge<32>(w, rms);
     }
-    if (lane == 0) bcast = finish_stats(w, cols, eps, rms);
+    acc = w;
   }
+  return acc;
+}
+
+// The block's row statistics, returned to every thread.
+__device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms, bool uniform = false) {
+  __shared__ RowStats bcast;
+  const NormAcc w = block_acc_warp0(acc, rms, uniform);
+  if (threadIdx.x == 0) bcast = finish_stats(w, cols, eps, rms);
   __syncthreads();
   return bcast;
 }
@@ -211,6 +218,18 @@ struct ClusterSum {
     cluster_sync();
   }
 
+  // Warp 0's values w (lane 0's), pushed to every block of the cluster. Every thread of
+  // the block calls it, after a block barrier since its last gather of this buffer.
+  static __device__ __forceinline__ void push(const float (&w)[N], int use) {
+    if (threadIdx.x < 32) {
+      float v[N];  // lane 0's: the other lanes may hold partial merges
+#pragma unroll
+      for (int i = 0; i < N; ++i) v[i] = __shfl_sync(0xffffffffu, w[i], 0);
+      if (int(threadIdx.x) < cluster_size())
+        store_remote<N>(smem().slot[use & 1][cluster_rank()], v, &smem().bar[use & 1], int(threadIdx.x));
+    }
+  }
+
   // The block's sums of v (fixed order), pushed to every block of the cluster.
   static __device__ __forceinline__ void publish(const float (&v)[N], int use) {
     Smem& s = smem();
@@ -226,22 +245,47 @@ struct ClusterSum {
     if (warp == 0) {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = group_sum<32>(lane < nwarps ? s.red[p][i][lane] : 0.f);
-      if (lane < cluster_size()) store_remote<N>(s.slot[p][cluster_rank()], w, &s.bar[p], lane);
     }
+    push(w, use);
   }
 
-  // The cluster's sums of use `use`; the buffer's barrier is then armed for use + 2.
-  static __device__ __forceinline__ void collect(float (&out)[N], int use) {
+  // Block r's values of use `use` to the lanes r (mod kMaxClusterBlocks), zeros past the
+  // cluster's size; the buffer's barrier is then armed for use + 2.
+  static __device__ __forceinline__ void gather(float (&out)[N], int use) {
     Smem& s = smem();
     const int p = use & 1;
     mbarrier_wait<true>(&s.bar[p], uint32_t(use >> 1) & 1u);
-    const int r = int(threadIdx.x % kMaxClusterBlocks);  // lanes r add slot r (a fixed tree)
+    const int r = int(threadIdx.x % kMaxClusterBlocks);
     const bool has = r < cluster_size();
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = group_sum<kMaxClusterBlocks>(has ? s.slot[p][r][i] : 0.f);
+    for (int i = 0; i < N; ++i) out[i] = has ? s.slot[p][r][i] : 0.f;
     if (threadIdx.x == 0) mbarrier_arrive_expect(&s.bar[p], bytes());
   }
+
+  // The cluster's sums of use `use` (lanes add the blocks' values in a fixed tree).
+  static __device__ __forceinline__ void collect(float (&out)[N], int use) {
+    gather(out, use);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = group_sum<kMaxClusterBlocks>(out[i]);
+  }
 };
+
+// The row statistics of a block (CLUSTER: of the cluster, the blocks' states exchanged
+// as use `use` and merged in a fixed tree, the same in every block), to every thread.
+template <bool CLUSTER>
+__device__ __forceinline__ RowStats row_stats(NormAcc acc, int64_t cols, float eps, bool rms, bool uniform, int use) {
+  if constexpr (!CLUSTER) {
+    return block_stats(acc, cols, eps, rms, uniform);
+  } else {
+    const NormAcc w = block_acc_warp0(acc, rms, uniform);
+    float v[4] = {w.mean, w.m2, w.count, 0.f};
+    ClusterSum<4>::push(v, use);
+    ClusterSum<4>::gather(v, use);
+    NormAcc c;
+    c.mean = v[0]; c.m2 = v[1]; c.count = v[2];
+    return finish_stats(group_merge<kMaxClusterBlocks>(c, rms), cols, eps, rms);
+  }
+}
 
 // Sums of two values over the block or the cluster (use: the row's index among the
 // block's rows), returned to every thread.
@@ -552,32 +596,38 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
   }
 }
 
-template <typename T, typename P, int PACK, bool CACHE, typename L>
+template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false>
 __global__ void fwd_block_kernel(typename L::Args a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
-  PackT* cache = reinterpret_cast<PackT*>(smem_raw);
+  PackT* cache = reinterpret_cast<PackT*>(smem_raw);  // the block's packs of the row
   const int64_t nvec = a.cols / PACK;
   const L load(a);
   T* y = static_cast<T*>(a.y);
-  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+  // With CLUSTER the row's packs are split over the cluster's threads (RowSplit), each
+  // block caching its own, and the blocks' statistics exchanged (row_stats).
+  const RowSplit sp = row_split<CLUSTER>();
+  const int64_t tid = sp.thread(), span = sp.threads();
+  if constexpr (CLUSTER) ClusterSum<4>::init();
+  int use = 0;
+  for (int64_t row = sp.first_row; row < a.rows; row += sp.step, ++use) {
     const auto xr = load.template packs<PACK>(row * nvec);  // this row
     NormAcc acc;
 #pragma unroll 4
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+    for (int64_t v = tid, c = threadIdx.x; v < nvec; v += span, c += blockDim.x) {
       PackT pk;
       xr(v, pk);
-      if (CACHE) cache[v] = pk;
+      if (CACHE) cache[c] = pk;
       float f[PACK];
 #pragma unroll
       for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
       acc.add_pack(f, a.rms);
     }
-    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms, nvec % blockDim.x == 0);
+    const RowStats st = row_stats<CLUSTER>(acc, a.cols, a.eps, a.rms, nvec % span == 0, use);
 #pragma unroll 4
-    for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+    for (int64_t v = tid, c = threadIdx.x; v < nvec; v += span, c += blockDim.x) {
       PackT pk;
-      if (CACHE) pk = cache[v];
+      if (CACHE) pk = cache[c];
       else xr.reload(v, pk);
       float sc[PACK], bi[PACK], out[PACK];
       load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
@@ -586,13 +636,14 @@ __global__ void fwd_block_kernel(typename L::Args a) {
       for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(pk.v[k]), st, sc[k], bi[k]);
       store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
     }
-    if (threadIdx.x == 0 && a.rstd != nullptr) {
+    if (tid == 0 && a.rstd != nullptr) {
       if (a.mean != nullptr) a.mean[row] = st.mean;
       a.rstd[row] = st.rstd;
     }
     // The next row overwrites the cache only after every thread has read it.
     if (CACHE) __syncthreads();
   }
+  row_split_exit<CLUSTER>();
 }
 
 // --------------------------------------------------------------- backward ---
@@ -1223,8 +1274,39 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   });
 }
 
+// sm_90: rows over 64 KiB, whose cached copy leaves one block an SM with nothing to
+// overlap its reduction and output pass, split over a cluster of 2-8 blocks of up to 512
+// threads, each caching a slice of at most 64 KiB, so that two or more rows an SM are
+// in flight (knob JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES: rows of at least this many bytes;
+// 0 = off). False (nothing launched) where it does not apply.
+template <typename T, typename P, int PACK, typename L>
+bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaError_t* err) {
+  static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 65536 + 1);
+  constexpr int64_t kSliceBytes = 65536;
+  auto kernel = fwd_block_kernel<T, P, PACK, true, L, true>;
+  const int64_t row_bytes = a.cols * int64_t(sizeof(T)), nvec = a.cols / PACK;
+  if (min_bytes <= 0 || row_bytes < min_bytes || !clusters_supported(kernel)) return false;
+  int cs = 2;
+  while (cs < kMaxClusterBlocks && row_bytes > cs * kSliceBytes) cs *= 2;
+  const int64_t per_block = (nvec + cs - 1) / cs;
+  if (per_block * int64_t(sizeof(Pack<T, PACK>)) > kSliceBytes) return false;
+  const int threads = std::min(block_threads(per_block), 512);
+  // A thread's packs are every (cs * threads)-th: ceil(nvec / (cs * threads)) of them.
+  const size_t smem = size_t((nvec + int64_t(cs) * threads - 1) / (int64_t(cs) * threads)) * size_t(threads) *
+                      sizeof(Pack<T, PACK>);
+  int64_t clusters = 0;
+  if (allow_smem(kernel, smem) != cudaSuccess || cluster_grid(kernel, cs, threads, a.rows, &clusters, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *err = launch_clusters_smem(kernel, cs, threads, smem, clusters, stream, static_cast<const typename L::Args&>(a));
+  return true;
+}
+
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_block(const FwdAddArgs& a, cudaStream_t stream) {
+  cudaError_t cluster_err = cudaSuccess;
+  if (launch_fwd_block_cluster<T, P, PACK, L>(a, stream, &cluster_err)) return cluster_err;
   const int64_t nvec = a.cols / PACK;
   const int threads = block_threads(nvec);
   const size_t smem = size_t(a.cols) * sizeof(T);
