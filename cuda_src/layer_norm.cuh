@@ -7,7 +7,9 @@
 //   <= 4096 packs: a block per row, row in registers (up to 4 packs a thread, up to
 //                  1024 threads; with a residual, rows over 4 KiB).
 //   longer rows  : a block per row, row cached in shared memory, or read twice
-//                  from global memory when shared memory cannot hold it.
+//                  from global memory when shared memory cannot hold it; on sm_90
+//                  rows over 64 KiB split over a cluster of 2-8 blocks, each caching
+//                  its slice (statistics exchanged through distributed shared memory).
 // Backward tiers:
 //   cols <= 1024 : group per row, x and dy in registers, per-column dscale/dbias
 //                  partials in registers, summed per block through shared memory
@@ -157,7 +159,7 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
 // Backward rows longer than one block holds in registers are split over the blocks
 // of a thread-block cluster: each block keeps its column slice and its dscale/dbias
 // partials (across all of its rows) in registers or shared memory, and the row sums
-// are exchanged through distributed shared memory (ClusterSum). Without CLUSTER the
+// are exchanged through distributed shared memory (ClusterExchange). Without CLUSTER the
 // same kernels run a block per row.
 
 // A block's share of the work: its rows (those of its cluster) and, through its
@@ -181,12 +183,12 @@ __device__ __forceinline__ RowSplit row_split() {
   }
 }
 
-// Sums of N values over the cluster, returned to every thread, with no cluster barrier.
-// Use u (a row, or a pair of rows) goes through buffer u % 2 of every block: warp 0 of
-// each block pushes the block's sums (st.async) into slot [its rank] of every block's
-// buffer, the bytes completing on that buffer's mbarrier; a block waits for size * N
-// floats there and adds the slots in a fixed tree, the same in every block, so all get
-// bitwise equal sums. (It replaced a cluster barrier a row, where warp 0 arrived with
+// N values a block exchanged over the cluster (row sums, or the blocks' row statistics),
+// with no cluster barrier. Use u (a row, or a pair of rows) goes through buffer u % 2 of
+// every block: warp 0 of each block pushes the block's values (st.async) into slot [its
+// rank] of every block's buffer, the bytes completing on that buffer's mbarrier; a block
+// waits for size * N floats there and combines the slots in a fixed tree, the same in
+// every block, so all get bitwise equal results. (It replaced a cluster barrier a row, where warp 0 arrived with
 // release and so waited for its stores in flight every row: the cluster backward is
 // 1.07-1.10x faster at 16384-32768 bf16 columns, 1.25x at 65536, 1.03x with float32
 // rows on the H100, docs/perf-notes.md.) Reuse is safe without more barriers: block A
@@ -194,7 +196,7 @@ __device__ __forceinline__ RowSplit row_split() {
 // a block barrier that its threads pass only when done reading u's slots, and after its
 // thread 0 re-armed the buffer.
 template <int N>
-struct ClusterSum {
+struct ClusterExchange {
   struct alignas(16) Smem {
     uint64_t bar[2];
     float slot[2][kMaxClusterBlocks][N];
@@ -279,8 +281,8 @@ __device__ __forceinline__ RowStats row_stats(NormAcc acc, int64_t cols, float e
   } else {
     const NormAcc w = block_acc_warp0(acc, rms, uniform);
     float v[4] = {w.mean, w.m2, w.count, 0.f};
-    ClusterSum<4>::push(v, use);
-    ClusterSum<4>::gather(v, use);
+    ClusterExchange<4>::push(v, use);
+    ClusterExchange<4>::gather(v, use);
     NormAcc c;
     c.mean = v[0]; c.m2 = v[1]; c.count = v[2];
     return finish_stats(group_merge<kMaxClusterBlocks>(c, rms), cols, eps, rms);
@@ -295,8 +297,8 @@ __device__ __forceinline__ float2 row_sum2(float a, float b, int use) {
     return block_sum2(a, b);
   } else {
     float v[2] = {a, b};
-    ClusterSum<2>::publish(v, use);
-    ClusterSum<2>::collect(v, use);
+    ClusterExchange<2>::publish(v, use);
+    ClusterExchange<2>::collect(v, use);
     return make_float2(v[0], v[1]);
   }
 }
@@ -608,7 +610,7 @@ __global__ void fwd_block_kernel(typename L::Args a) {
   // block caching its own, and the blocks' statistics exchanged (row_stats).
   const RowSplit sp = row_split<CLUSTER>();
   const int64_t tid = sp.thread(), span = sp.threads();
-  if constexpr (CLUSTER) ClusterSum<4>::init();
+  if constexpr (CLUSTER) ClusterExchange<4>::init();
   int use = 0;
   for (int64_t row = sp.first_row; row < a.rows; row += sp.step, ++use) {
     const auto xr = load.template packs<PACK>(row * nvec);  // this row
@@ -925,7 +927,7 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
       }
     }
   };
-  if constexpr (CLUSTER) ClusterSum<2>::init();
+  if constexpr (CLUSTER) ClusterExchange<2>::init();
   if (!CLUSTER && sp.first_row < a.rows) load_row(sp.first_row);
   int use = 0;
   for (int64_t row = sp.first_row; row < a.rows; row += sp.step, ++use) {
@@ -975,7 +977,7 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   }
 #pragma unroll
   for (int i = 0; i < 2 * PACK; ++i) acc[i] = 0.f;
-  ClusterSum<2 * K>::init();
+  ClusterExchange<2 * K>::init();
   const float inv_n = 1.f / float(a.cols);
   int use = 0;
   for (int64_t row0 = sp.first_row; row0 < a.rows; row0 += K * sp.step, ++use) {
@@ -1005,8 +1007,8 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
         sum_gx[k] += g * ((xc[k].template value<false>(j) - mean[k]) * rstd[k]);
       }
     float sums[2 * K] = {sum_g[0], sum_gx[0], sum_g[1], sum_gx[1]};
-    ClusterSum<2 * K>::publish(sums, use);
-    ClusterSum<2 * K>::collect(sums, use);
+    ClusterExchange<2 * K>::publish(sums, use);
+    ClusterExchange<2 * K>::collect(sums, use);
     const float mg[K] = {a.rms ? 0.f : sums[0] * inv_n, a.rms ? 0.f : sums[2] * inv_n};
     const float mgx[K] = {sums[1] * inv_n, sums[3] * inv_n};
 #pragma unroll
