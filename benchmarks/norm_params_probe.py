@@ -1,14 +1,17 @@
 """Where the LayerNorm forward's long-row time goes: the cuda forward at 8192-32768
 bf16 columns with float32 scale and bias (the benchmark's case), bf16 ones, and none;
-RMSNorm with and without its scale. CUPTI, inputs rotated past L2, median of 5."""
+RMSNorm with and without its scale. CUPTI, inputs rotated past L2, median of 5.
+Environment: ROWS (49152), COLS (a comma list; 8192,16384,32768)."""
+import os
+
 import jax
 import jax.numpy as jnp
 
 import jax_ops
 from jax_ops.bench.timing import measure
 
-ROWS = 49152
-for cols in (8192, 16384, 32768):
+ROWS = int(os.environ.get("ROWS", 49152))
+for cols in [int(c) for c in os.environ.get("COLS", "8192,16384,32768").split(",")]:
     k = 3
     xs = [jax.random.normal(jax.random.key(i), (ROWS, cols), jnp.bfloat16) for i in range(k)]
     s32 = jax.random.uniform(jax.random.key(7), (cols,), minval=0.5, maxval=1.5)
