@@ -534,7 +534,8 @@ __device__ __forceinline__ void store_values(T* p, const float (&v)[PACK]) {
 // memory round trip, and all K loads of a thread are in flight at once. The first
 // pack's scale/bias loads are issued before the row reduction, each next pack's before
 // this pack's store. (A cluster version of this tier, the row split over 2-8 blocks,
-// measured 1.5-2x slower on the H100 at 16384-32768 columns: docs/perf-notes.md.)
+// measured 1.5-2x slower on the H100 at 16384-32768 columns with a cluster barrier a
+// row, 1.16-1.5x slower with ClusterExchange at 32768-65536: docs/perf-notes.md.)
 template <typename T, typename P, int PACK, int K, typename L>
 __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
@@ -1297,7 +1298,8 @@ bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaErro
   const size_t smem = size_t((nvec + int64_t(cs) * threads - 1) / (int64_t(cs) * threads)) * size_t(threads) *
                       sizeof(Pack<T, PACK>);
   int64_t clusters = 0;
-  if (allow_smem(kernel, smem) != cudaSuccess || cluster_grid(kernel, cs, threads, a.rows, &clusters, smem) != cudaSuccess) {
+  if (allow_smem(kernel, smem) != cudaSuccess ||
+      cluster_grid(kernel, cs, threads, a.rows, &clusters, smem) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
