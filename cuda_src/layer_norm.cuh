@@ -138,19 +138,31 @@ __device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float
   return bcast;
 }
 
+// Sums of N values over the block (fixed order), valid in warp 0; red: [N][32] floats
+// of shared memory.
+template <int N>
+__device__ __forceinline__ void block_sum_warp0(float (&v)[N], float (*red)[32]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = group_sum<32>(v[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) red[i][warp] = v[i];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = group_sum<32>(lane < nwarps ? red[i][lane] : 0.f);
+  }
+}
+
 // Sums of two values over the block, returned to every thread (fixed order).
 __device__ __forceinline__ float2 block_sum2(float a, float b) {
   __shared__ float red[2][32];
   __shared__ float2 bcast;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
-  a = group_sum<32>(a); b = group_sum<32>(b);
-  if (lane == 0) { red[0][warp] = a; red[1][warp] = b; }
-  __syncthreads();
-  if (warp == 0) {
-    const float wa = group_sum<32>(lane < nwarps ? red[0][lane] : 0.f);
-    const float wb = group_sum<32>(lane < nwarps ? red[1][lane] : 0.f);
-    if (lane == 0) bcast = make_float2(wa, wb);
-  }
+  float v[2] = {a, b};
+  block_sum_warp0<2>(v, red);
+  if (threadIdx.x == 0) bcast = make_float2(v[0], v[1]);
   __syncthreads();
   return bcast;
 }
@@ -234,20 +246,10 @@ struct ClusterExchange {
 
   // The block's sums of v (fixed order), pushed to every block of the cluster.
   static __device__ __forceinline__ void publish(const float (&v)[N], int use) {
-    Smem& s = smem();
-    const int p = use & 1, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
     float w[N];
 #pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = group_sum<32>(v[i]);
-    if (lane == 0) {
-#pragma unroll
-      for (int i = 0; i < N; ++i) s.red[p][i][warp] = w[i];
-    }
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-      for (int i = 0; i < N; ++i) w[i] = group_sum<32>(lane < nwarps ? s.red[p][i][lane] : 0.f);
-    }
+    for (int i = 0; i < N; ++i) w[i] = v[i];
+    block_sum_warp0<N>(w, smem().red[use & 1]);
     push(w, use);
   }
 
@@ -1291,12 +1293,11 @@ bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaErro
   if (min_bytes <= 0 || row_bytes < min_bytes || !clusters_supported(kernel)) return false;
   int cs = 2;
   while (cs < kMaxClusterBlocks && row_bytes > cs * kSliceBytes) cs *= 2;
-  const int64_t per_block = (nvec + cs - 1) / cs;
-  if (per_block * int64_t(sizeof(Pack<T, PACK>)) > kSliceBytes) return false;
-  const int threads = std::min(block_threads(per_block), 512);
+  const int threads = std::min(block_threads((nvec + cs - 1) / cs), 512);
   // A thread's packs are every (cs * threads)-th: ceil(nvec / (cs * threads)) of them.
   const size_t smem = size_t((nvec + int64_t(cs) * threads - 1) / (int64_t(cs) * threads)) * size_t(threads) *
                       sizeof(Pack<T, PACK>);
+  if (smem > size_t(kSliceBytes)) return false;
   int64_t clusters = 0;
   if (allow_smem(kernel, smem) != cudaSuccess ||
       cluster_grid(kernel, cs, threads, a.rows, &clusters, smem) != cudaSuccess) {
