@@ -653,6 +653,61 @@ __global__ void fwd_block_kernel(typename L::Args a) {
 
 // --------------------------------------------------------------- backward ---
 
+// The dscale/dbias partials of a block of row groups (WIDTH lanes a row, packs v * WIDTH +
+// glane of every row): each group's register sums go to shared memory `red` ([2][groups
+// per block][cols] floats), then are added in group order into row blockIdx of the
+// workspace. Launched in a cluster only to merge its blocks' partials
+// (bwd_group_merge_blocks): each block's sums go to row 0 of its buffers (a column is
+// read and rewritten by the same thread), then block rank r adds every cs-th run of
+// kRegsThreads columns over the cluster's blocks in rank order, into row blockIdx / cs.
+template <int PACK, int VPT, int WIDTH>
+__device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, const float (&ds)[VPT * PACK],
+                                                         const float (&db)[VPT * PACK], float* red, float* part_ds,
+                                                         float* part_db) {
+  constexpr int GROUPS_PER_BLOCK = kRegsThreads / WIDTH;
+  const int gb = threadIdx.x / WIDTH, glane = threadIdx.x % WIDTH;
+  float* red_ds = red;
+  float* red_db = red + GROUPS_PER_BLOCK * a.cols;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+    if (col >= a.cols) continue;
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      red_ds[gb * a.cols + col + k] = ds[v * PACK + k];
+      red_db[gb * a.cols + col + k] = db[v * PACK + k];
+    }
+  }
+  __syncthreads();
+  const int cs = launched_cluster_size();
+  for (int64_t col = threadIdx.x; col < a.cols; col += kRegsThreads) {
+    float s_ds = 0.f, s_db = 0.f;
+    for (int j = 0; j < GROUPS_PER_BLOCK; ++j) { s_ds += red_ds[j * a.cols + col]; s_db += red_db[j * a.cols + col]; }
+    if (cs > 1) {
+      red_ds[col] = s_ds;
+      red_db[col] = s_db;
+    } else {
+      if (part_ds) part_ds[blockIdx.x * a.cols + col] = s_ds;
+      if (part_db) part_db[blockIdx.x * a.cols + col] = s_db;
+    }
+  }
+  if (cs == 1) return;
+  cluster_sync();  // every block's sums are visible to the cluster
+  const int64_t part = int64_t(blockIdx.x) / cs;
+  for (int64_t col = int64_t(cluster_rank()) * kRegsThreads + threadIdx.x; col < a.cols;
+       col += int64_t(cs) * kRegsThreads) {
+    float s_ds = 0.f, s_db = 0.f;
+    for (int q = 0; q < cs; ++q) {
+      const float* other = cluster_map(red, q);
+      s_ds += other[col];
+      s_db += other[GROUPS_PER_BLOCK * a.cols + col];
+    }
+    if (part_ds) part_ds[part * a.cols + col] = s_ds;
+    if (part_db) part_db[part * a.cols + col] = s_db;
+  }
+  cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S>
 __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
@@ -728,55 +783,8 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
     }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
-  // Per-block partials: each row group's per-column sums go to shared memory,
-  // then are added in group order.
   extern __shared__ float red[];  // [2][groups per block][cols]
-  constexpr int GROUPS_PER_BLOCK = kRegsThreads / WIDTH;
-  const int gb = threadIdx.x / WIDTH;
-  float* red_ds = red;
-  float* red_db = red + GROUPS_PER_BLOCK * a.cols;
-#pragma unroll
-  for (int v = 0; v < VPT; ++v) {
-    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-    if (col >= a.cols) continue;
-#pragma unroll
-    for (int k = 0; k < PACK; ++k) {
-      red_ds[gb * a.cols + col + k] = ds[v * PACK + k];
-      red_db[gb * a.cols + col + k] = db[v * PACK + k];
-    }
-  }
-  __syncthreads();
-  // Launched in a cluster only to merge its blocks' partials (bwd_group_merge_blocks): each
-  // block's sums go to row 0 of its buffers (a column is read and rewritten by the
-  // same thread), then block rank r adds every cs-th run of kRegsThreads columns over
-  // the cluster's blocks in rank order, into row blockIdx / cs of the workspace.
-  const int cs = launched_cluster_size();
-  for (int64_t col = threadIdx.x; col < a.cols; col += kRegsThreads) {
-    float s_ds = 0.f, s_db = 0.f;
-    for (int j = 0; j < GROUPS_PER_BLOCK; ++j) { s_ds += red_ds[j * a.cols + col]; s_db += red_db[j * a.cols + col]; }
-    if (cs > 1) {
-      red_ds[col] = s_ds;
-      red_db[col] = s_db;
-    } else {
-      if (part_ds) part_ds[blockIdx.x * a.cols + col] = s_ds;
-      if (part_db) part_db[blockIdx.x * a.cols + col] = s_db;
-    }
-  }
-  if (cs == 1) return;
-  cluster_sync();  // every block's sums are visible to the cluster
-  const int64_t part = int64_t(blockIdx.x) / cs;
-  for (int64_t col = int64_t(cluster_rank()) * kRegsThreads + threadIdx.x; col < a.cols;
-       col += int64_t(cs) * kRegsThreads) {
-    float s_ds = 0.f, s_db = 0.f;
-    for (int q = 0; q < cs; ++q) {
-      const float* other = cluster_map(red, q);
-      s_ds += other[col];
-      s_db += other[GROUPS_PER_BLOCK * a.cols + col];
-    }
-    if (part_ds) part_ds[part * a.cols + col] = s_ds;
-    if (part_db) part_db[part * a.cols + col] = s_db;
-  }
-  cluster_sync();  // no block leaves while another still reads its shared memory
+  bwd_group_store_partials<PACK, VPT, WIDTH>(a, ds, db, red, part_ds, part_db);
 }
 
 // Block (or cluster) per row; each thread owns K packs of every row (fixed
@@ -1130,6 +1138,131 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
                                     reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes));
 }
 
+// The group tier's backward (rows of up to kRegsMaxCols values, WIDTH lanes a row) with
+// x and dy staged in shared memory by bulk copies (sm_90). The register kernel keeps one
+// tile of rows a warp in flight, 32-40 KiB an SM, and ran at 80-87 % of its 3X copy
+// floor at 128-256 16-bit columns; here a stage holds a chunk of CHUNK = groups * RPG
+// consecutive rows (contiguous: one copy each of x and dy) and `stages` chunks a block
+// are in flight whatever the registers. A group takes rows j * groups + group of the
+// chunk; the chunk's statistics come into registers a chunk ahead; a stage is refilled
+// once a block barrier shows every thread has read it.
+// Layout: `stages` mbarriers (kBulkBarrierBytes), then [stage][x, dy][CHUNK * cols] T;
+// at the end the same memory holds the partials of bwd_group_store_partials.
+template <int VPT>
+constexpr int bwd_rows_bulk_rpg() { return VPT >= 8 ? 1 : 8 / VPT; }  // 16 KiB chunks of 16-byte packs
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+__global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S::Args a, float* part_ds,
+                                                                     float* part_db, int stages) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr int N = VPT * PACK, GROUPS = kRegsThreads / WIDTH, RPG = bwd_rows_bulk_rpg<VPT>(),
+                CHUNK = GROUPS * RPG;
+  using PackT = Pack<T, PACK>;
+  const int group = threadIdx.x / WIDTH, glane = threadIdx.x % WIDTH;
+  const S store(a);
+  const float inv_n = 1.f / float(a.cols);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw);
+  T* staged = reinterpret_cast<T*>(smem_raw + kBulkBarrierBytes);
+  const int64_t chunk_elems = int64_t(CHUNK) * a.cols, chunks = (a.rows + CHUNK - 1) / CHUNK;
+  const auto fill = [&](int stage, int64_t c) {
+    const int64_t first = c * CHUNK, n = a.rows - first < CHUNK ? a.rows - first : CHUNK;
+    const uint32_t bytes = uint32_t(n * a.cols * int64_t(sizeof(T)));
+    mbarrier_arrive_expect(&bars[stage], 2 * bytes);
+    bulk_load(staged + 2 * stage * chunk_elems, static_cast<const T*>(a.x) + first * a.cols, bytes, &bars[stage]);
+    bulk_load(staged + (2 * stage + 1) * chunk_elems, static_cast<const T*>(a.dy) + first * a.cols, bytes,
+              &bars[stage]);
+  };
+  float ds[N], db[N], sc[N];
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+    float s[PACK];
+    if (col < a.cols) load_param<P, PACK>(a.scale, col, 1.f, s);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      sc[v * PACK + k] = col < a.cols ? s[k] : 0.f;
+      ds[v * PACK + k] = 0.f;
+      db[v * PACK + k] = 0.f;
+    }
+  }
+  const bool issuer = threadIdx.x == 0;
+  if (issuer) {
+    for (int st = 0; st < stages; ++st) mbarrier_init(&bars[st], 1);
+    for (int st = 0; st < stages; ++st)
+      if (blockIdx.x + int64_t(st) * gridDim.x < chunks) fill(st, blockIdx.x + int64_t(st) * gridDim.x);
+  }
+  __syncthreads();  // the barriers are initialized before anyone waits on them
+  float mean_n[RPG], rstd_n[RPG];
+  const auto load_stats = [&](int64_t c) {
+#pragma unroll
+    for (int j = 0; j < RPG; ++j) {
+      const int64_t row = c * CHUNK + j * GROUPS + group;
+      mean_n[j] = row < a.rows && !a.rms ? a.mean[row] : 0.f;
+      rstd_n[j] = row < a.rows ? a.rstd[row] : 0.f;
+    }
+  };
+  if (blockIdx.x < chunks) load_stats(blockIdx.x);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+    float mean[RPG], rstd[RPG];
+#pragma unroll
+    for (int j = 0; j < RPG; ++j) { mean[j] = mean_n[j]; rstd[j] = rstd_n[j]; }
+    if (c + gridDim.x < chunks) load_stats(c + gridDim.x);
+    mbarrier_wait(&bars[stage], phase);
+    const T* xs = staged + 2 * stage * chunk_elems;
+    const T* dys = xs + chunk_elems;
+#pragma unroll
+    for (int j = 0; j < RPG; ++j) {
+      const int r = j * GROUPS + group;
+      const int64_t row = c * CHUNK + r;
+      // Group-uniform: every lane takes part in the shuffles; rows past the end add zeros.
+      const bool valid = row < a.rows;
+      PackT rx[VPT], rd[VPT];
+      float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (valid && col < a.cols) {
+          rx[v] = *reinterpret_cast<const PackT*>(xs + r * a.cols + col);
+          rd[v] = *reinterpret_cast<const PackT*>(dys + r * a.cols + col);
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) {
+            const float g = to_float(rd[v].v[k]) * sc[v * PACK + k];
+            sum_g += g;
+            sum_gx += g * (to_float(rx[v].v[k]) - mean[j]) * rstd[j];
+          }
+        }
+      }
+      const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
+      const float mgx = group_sum<WIDTH>(sum_gx) * inv_n;
+      if (!valid) continue;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (col >= a.cols) continue;
+        float out[PACK];
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) {
+          const int i = v * PACK + k;
+          const float d = to_float(rd[v].v[k]);
+          const float xh = (to_float(rx[v].v[k]) - mean[j]) * rstd[j];
+          out[k] = norm_dx(d * sc[i], xh, rstd[j], mg, mgx);
+          ds[i] += d * xh;
+          db[i] += d;
+        }
+        store(row * a.cols + col, out);
+      }
+    }
+    __syncthreads();  // every thread has read the stage
+    if (issuer && c + int64_t(stages) * gridDim.x < chunks) fill(stage, c + int64_t(stages) * gridDim.x);
+    if (++stage == stages) { stage = 0; phase ^= 1u; }
+  }
+  if (part_ds == nullptr && part_db == nullptr) return;
+  bwd_group_store_partials<PACK, VPT, WIDTH>(a, ds, db, reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes),
+                                             part_ds, part_db);
+}
+
 // Block per row for long rows: dx only (x and dy cached in shared memory, or
 // read twice); dscale/dbias come from param_grad_kernel.
 template <typename T, typename P, int PACK, bool CACHE, typename S>
@@ -1471,8 +1604,54 @@ inline int bwd_group_merge_blocks(const BwdArgs& a) {
   return wants_param_grads(a) && a.cols >= min_cols && cs >= 2 && cs <= kMaxClusterBlocks ? cs : 1;
 }
 
+// The group tier staged by bulk copies (bwd_rows_bulk_kernel): JAX_OPS_NORM_BWD_ROWS_BULK_STAGES
+// chunks a block in flight (0 = off), rows of at most JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS
+// values; add+norm's backward (whose dh loads stay in each row's chain) only with
+// JAX_OPS_NORM_BWD_ROWS_BULK_ADD=1. sm_90 code and device, 16-byte packs. False (nothing
+// launched) where it does not apply.
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
+  static const int stages = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_STAGES", 3);
+  static const int max_cols = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS", kRegsMaxCols);
+  static const int with_add = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_ADD", 0);
+  if (PACK * sizeof(T) != 16 || stages < 2 || stages > kBulkBarrierBytes / 8 || a.cols > max_cols) return false;
+  if (!std::is_same_v<S, StoreDx<T>> && !with_add) return false;
+  auto kernel = bwd_rows_bulk_kernel<T, P, PACK, VPT, WIDTH, S>;
+  if (!clusters_supported(kernel)) return false;
+  constexpr int CHUNK = (kRegsThreads / WIDTH) * bwd_rows_bulk_rpg<VPT>();
+  const size_t smem = kBulkBarrierBytes + size_t(stages) * 2 * CHUNK * size_t(a.cols) * sizeof(T);
+  const int64_t chunks = (a.rows + CHUNK - 1) / CHUNK;
+  const int cs = bwd_group_merge_blocks(a);
+  int64_t parts = 0;
+  cudaError_t qerr = allow_smem(kernel, smem);
+  if (qerr == cudaSuccess && cs > 1) {  // clusters of cs blocks, one partial row each
+    const int64_t want = (chunks + cs - 1) / cs;
+    qerr = cluster_grid(kernel, cs, kRegsThreads, a.work_rows < want ? a.work_rows : want, &parts, smem);
+  } else if (qerr == cudaSuccess) {
+    int blocks = 0;
+    qerr = resident_blocks(kernel, kRegsThreads, smem, chunks, &blocks);
+    parts = cap_blocks(a, blocks);
+  }
+  if (qerr != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *err = run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
+    if (cs > 1)
+      return launch_clusters_smem(kernel, cs, kRegsThreads, smem, parts, stream,
+                                  static_cast<const typename S::Args&>(a), ds, db, stages);
+    kernel<<<unsigned(parts), kRegsThreads, smem, stream>>>(a, ds, db, stages);
+    return cudaGetLastError();
+  });
+  return true;
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  if constexpr (PACK * sizeof(T) == 16) {
+    cudaError_t err = cudaSuccess;
+    if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
+  }
   constexpr int ROWS = WIDTH < 32 ? 2 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;

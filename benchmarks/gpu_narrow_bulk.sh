@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One device call (twelfth session, issue 20): the group tier's backward (rows up to 1024
+# values) staged by bulk copies, chunks of consecutive rows (bwd_rows_bulk_kernel).
+# Stages: fulltests (the norm test files), sanitize (memcheck / synccheck at SAN_COLS,
+# SAN_ROWS rows; racecheck at RACE_COLS), ab (the backward of .carry/_ffi_old.so.gz, the
+# previous build, against this one, same run, at AB_COLS), knobs (stages a block, the
+# add+norm switch), breakdown (per-kernel times at BD_COLS), sweep (fwd / bwd / step /
+# fwd_bwd, auto / cuda / flax at SWEEP_COLS), workspace.
+# Usage: bash benchmarks/gpu_narrow_bulk.sh [stages]
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-fulltests,sanitize,ab,sweep}
+source benchmarks/gpu_stages.sh
+has fulltests && norm_tests
+if has sanitize; then
+  { for tool in memcheck synccheck; do
+      ROWS=${SAN_ROWS:-5001} timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+        ${SAN_COLS:-8,32,64,128,256,512,1024} 2>&1; echo "$tool rc $?"
+    done
+    ROWS=${SAN_ROWS:-5001} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
+      ${RACE_COLS:-128,1024} 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
+  grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
+  stage_done sanitize
+fi
+ab_bwd() {
+  for dt in ${AB_DTYPES:-bf16 f16 f32}; do
+    echo "== $1 $dt"
+    timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op ${AB_OPS:-layer_norm,rms_norm} \
+      --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
+  done
+}
+if has ab && [ -f .carry/_ffi_old.so.gz ]; then
+  ab_builds ab ab_bwd
+  grep -E "^== |^[a-z_]+ bwd " "$OUT/ab.txt" | tee -a "$LOG"
+  stage_done ab
+fi
+if has knobs; then
+  knob_sweep stages JAX_OPS_NORM_BWD_ROWS_BULK_STAGES "${KNOB_STAGES:-0 2 3 4}" --op layer_norm,rms_norm --mode bwd \
+    --cols ${KNOB_COLS:-32,128,256,512,1024}
+  knob_sweep addbulk JAX_OPS_NORM_BWD_ROWS_BULK_ADD "0 1" --op add_layer_norm,add_rms_norm --mode bwd \
+    --cols ${KNOB_COLS:-32,128,256,512,1024}
+fi
+if has breakdown; then
+  for c in ${BD_COLS:-32 128 256}; do
+    MODES=bwd timeout 100 python3 benchmarks/kernel_breakdown.py layer_norm bf16 49152 $c cuda 2>&1 | grep -v Warning
+  done > "$OUT/breakdown.txt"
+  cat "$OUT/breakdown.txt" | tee -a "$LOG"
+  stage_done breakdown
+fi
+if has sweep; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 -m jax_ops.bench --repeats 3 --dtype ${SWEEP_DTYPE:-bf16} --rows ${SWEEP_ROWS:-49152} \
+    --impl ${SWEEP_IMPLS:-auto,cuda,flax} \
+    --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} \
+    --cols ${SWEEP_COLS:-32,128,256,512,1024} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep.txt" | tee -a "$LOG"
+  stage_done sweep
+fi
+has workspace && workspace_stage
+exit 0
