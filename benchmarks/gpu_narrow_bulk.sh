@@ -34,6 +34,28 @@ if has ab && [ -f .carry/_ffi_old.so.gz ]; then
   grep -E "^== |^[a-z_]+ bwd " "$OUT/ab.txt" | tee -a "$LOG"
   stage_done ab
 fi
+# The old build, then the new one under each JAX_OPS_NORM_BWD_ROWS_BULK_STAGES of
+# AB_STAGES: the backward at AB_COLS (AB_DTYPES), the forward at FWD_COLS (bf16).
+ab_knob() {
+  local s first=1
+  for s in ${AB_STAGES:-0 2}; do
+    [ $1 = old ] && [ $first = 0 ] && continue
+    first=0
+    for dt in ${AB_DTYPES:-bf16 f32}; do
+      echo "== $1 stages=$s $dt"
+      JAX_OPS_NORM_BWD_ROWS_BULK_STAGES=$s timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda \
+        --op ${AB_OPS:-layer_norm,rms_norm} --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
+    done
+    echo "== $1 stages=$s fwd bf16"
+    timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda --op layer_norm,rms_norm --mode fwd \
+      --cols ${FWD_COLS:-32,128,256}
+  done
+}
+if has abknob && [ -f .carry/_ffi_old.so.gz ]; then
+  ab_builds abknob ab_knob
+  grep -E "^== |^[a-z_]+ (bwd|fwd) " "$OUT/abknob.txt" | tee -a "$LOG"
+  stage_done abknob
+fi
 if has knobs; then
   knob_sweep stages JAX_OPS_NORM_BWD_ROWS_BULK_STAGES "${KNOB_STAGES:-0 2 3 4}" --op layer_norm,rms_norm --mode bwd \
     --cols ${KNOB_COLS:-32,128,256,512,1024}

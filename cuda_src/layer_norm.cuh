@@ -462,6 +462,16 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
         if (row < a.rows && col < a.cols) load(row * a.cols + col, raw[r][v]);
       }
     }
+    // With one pack a lane, the tile's rows share the lane's scale/bias values: loaded
+    // once, with the rows (a load a row each from L1 measured LayerNorm at 92-93 % of copy
+    // at 32-128 columns, RMSNorm at 100 %).
+    float sc1[PACK], bi1[PACK];
+    if constexpr (VPT == 1) {
+      if (int64_t(glane) * PACK < a.cols) {
+        load_param<P, PACK>(a.scale, int64_t(glane) * PACK, 1.f, sc1);
+        load_param<P, PACK>(a.bias, int64_t(glane) * PACK, 0.f, bi1);
+      }
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
@@ -472,8 +482,13 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (col >= a.cols) continue;
         float sc[PACK], bi[PACK], out[PACK];
-        load_param<P, PACK>(a.scale, col, 1.f, sc);
-        load_param<P, PACK>(a.bias, col, 0.f, bi);
+        if constexpr (VPT == 1) {
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) { sc[k] = sc1[k]; bi[k] = bi1[k]; }
+        } else {
+          load_param<P, PACK>(a.scale, col, 1.f, sc);
+          load_param<P, PACK>(a.bias, col, 0.f, bi);
+        }
 #pragma unroll
         for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(raw[r][v].v[k]), st, sc[k], bi[k]);
         store_pack<T, PACK>(y + row * a.cols + col, out);
@@ -708,23 +723,113 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, const
   cluster_sync();  // no block leaves while another still reads its shared memory
 }
 
+// The lane's scale values of a row group (packs v * WIDTH + glane; 0 past the row's end).
+template <typename P, int PACK, int VPT, int WIDTH>
+__device__ __forceinline__ void group_scale(const BwdArgs& a, int glane, float (&sc)[VPT * PACK]) {
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+    float s[PACK];
+    if (col < a.cols) load_param<P, PACK>(a.scale, col, 1.f, s);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) sc[v * PACK + k] = col < a.cols ? s[k] : 0.f;
+  }
+}
+
+// One row of the group tier's backward, from the group's packs of x and dy (lane glane
+// holds packs v * WIDTH + glane): dx is stored and dy·xhat, dy go to the lane's
+// dscale/dbias partials. With one pack a lane each value is converted and normalized
+// once: g and xhat stay as floats for the second pass (the tier is issue-bound at 128-256
+// 16-bit columns, ncu). With more, keeping them costs occupancy (512 16-bit columns: 96
+// -> 137 registers), so they are recomputed from the packs. Group-uniform: every lane takes part in
+// the shuffles, a row past the end (valid false) adds zeros. scale_of(v, s) gives pack
+// v's scale values (from registers, or loaded where used).
+template <typename T, int PACK, int VPT, int WIDTH, typename S, typename ScaleOf>
+__device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, int64_t row, bool valid, int glane,
+                                              float mean, float rstd, const Pack<T, PACK> (&rx)[VPT],
+                                              const Pack<T, PACK> (&rd)[VPT], const ScaleOf& scale_of,
+                                              float (&ds)[VPT * PACK], float (&db)[VPT * PACK]) {
+  constexpr int N = VPT * PACK;
+  constexpr bool KEEP = VPT == 1;
+  float g[KEEP ? N : 1], xh[KEEP ? N : 1], sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    if (!valid || int64_t(v * WIDTH + glane) * PACK >= a.cols) {
+      if constexpr (KEEP)
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) g[v * PACK + k] = xh[v * PACK + k] = 0.f;
+      continue;
+    }
+    float sc[PACK];
+    scale_of(v, sc);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      const int i = v * PACK + k;
+      const float d = to_float(rd[v].v[k]), xhv = (to_float(rx[v].v[k]) - mean) * rstd, gv = d * sc[k];
+      sum_g += gv;
+      sum_gx += gv * xhv;
+      if constexpr (KEEP) {
+        g[i] = gv;
+        xh[i] = xhv;
+        ds[i] += d * xhv;
+        db[i] += d;
+      }
+    }
+  }
+  const float inv_n = 1.f / float(a.cols);
+  const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
+  const float mgx = group_sum<WIDTH>(sum_gx) * inv_n;
+  if (!valid) return;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v) {
+    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+    if (col >= a.cols) continue;
+    float out[PACK], sc[PACK];
+    if constexpr (!KEEP) scale_of(v, sc);
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) {
+      const int i = v * PACK + k;
+      if constexpr (KEEP) {
+        out[k] = norm_dx(g[i], xh[i], rstd, mg, mgx);
+      } else {
+        const float d = to_float(rd[v].v[k]), xhv = (to_float(rx[v].v[k]) - mean) * rstd;
+        out[k] = norm_dx(d * sc[k], xhv, rstd, mg, mgx);
+        ds[i] += d * xhv;
+        db[i] += d;
+      }
+    }
+    store(row * a.cols + col, out);
+  }
+}
+
+// Rows of up to kRegsMaxCols values, a group of WIDTH lanes a row, ROWS rows a group
+// loaded together; a persistent grid of warps. The scale stays in registers across rows
+// at one pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S>
 __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  constexpr bool HOIST_SCALE = VPT == 1;
   using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const S store(a);
-  const float inv_n = 1.f / float(a.cols);
-  float ds[N], db[N];
+  float ds[N], db[N], sc[HOIST_SCALE ? N : 1];
 #pragma unroll
   for (int i = 0; i < N; ++i) { ds[i] = 0.f; db[i] = 0.f; }
+  if constexpr (HOIST_SCALE) group_scale<P, PACK, VPT, WIDTH>(a, glane, sc);
+  const auto scale_of = [&](int v, float (&s)[PACK]) {
+    if constexpr (HOIST_SCALE) {
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) s[k] = sc[v * PACK + k];
+    } else {
+      load_param<P, PACK>(a.scale, int64_t(v * WIDTH + glane) * PACK, 1.f, s);
+    }
+  };
   for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
        tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
-    // x and dy stay in registers in their storage type (half the registers of
-    // float); xhat and g are recomputed in the second pass.
+    // x and dy are loaded in their storage type (half the registers of float).
     PackT rx[ROWS][VPT], rd[ROWS][VPT];
     float mean[ROWS], rstd[ROWS];
 #pragma unroll
@@ -745,41 +850,8 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      float sum_g = 0.f, sum_gx = 0.f;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (row < a.rows && col < a.cols) {
-          float sc[PACK];
-          load_param<P, PACK>(a.scale, col, 1.f, sc);
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) {
-            const float g = to_float(rd[r][v].v[k]) * sc[k];
-            sum_g += g;
-            sum_gx += g * (to_float(rx[r][v].v[k]) - mean[r]) * rstd[r];
-          }
-        }
-      }
-      const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
-      const float mgx = group_sum<WIDTH>(sum_gx) * inv_n;
-      if (row >= a.rows) continue;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (col >= a.cols) continue;
-        float sc[PACK], out[PACK];
-        load_param<P, PACK>(a.scale, col, 1.f, sc);
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) {
-          const int i = v * PACK + k;
-          const float d = to_float(rd[r][v].v[k]);
-          const float xh = (to_float(rx[r][v].v[k]) - mean[r]) * rstd[r];
-          out[k] = norm_dx(d * sc[k], xh, rstd[r], mg, mgx);
-          ds[i] += d * xh;
-          db[i] += d;
-        }
-        store(row * a.cols + col, out);
-      }
+      bwd_group_row<T, PACK, VPT, WIDTH>(a, store, row, row < a.rows, glane, mean[r], rstd[r], rx[r], rd[r], scale_of,
+                                         ds, db);
     }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
@@ -1160,7 +1232,6 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
   using PackT = Pack<T, PACK>;
   const int group = threadIdx.x / WIDTH, glane = threadIdx.x % WIDTH;
   const S store(a);
-  const float inv_n = 1.f / float(a.cols);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem_raw);
   T* staged = reinterpret_cast<T*>(smem_raw + kBulkBarrierBytes);
   const int64_t chunk_elems = int64_t(CHUNK) * a.cols, chunks = (a.rows + CHUNK - 1) / CHUNK;
@@ -1174,17 +1245,12 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
   };
   float ds[N], db[N], sc[N];
 #pragma unroll
-  for (int v = 0; v < VPT; ++v) {
-    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-    float s[PACK];
-    if (col < a.cols) load_param<P, PACK>(a.scale, col, 1.f, s);
+  for (int i = 0; i < N; ++i) { ds[i] = 0.f; db[i] = 0.f; }
+  group_scale<P, PACK, VPT, WIDTH>(a, glane, sc);
+  const auto scale_of = [&](int v, float (&s)[PACK]) {
 #pragma unroll
-    for (int k = 0; k < PACK; ++k) {
-      sc[v * PACK + k] = col < a.cols ? s[k] : 0.f;
-      ds[v * PACK + k] = 0.f;
-      db[v * PACK + k] = 0.f;
-    }
-  }
+    for (int k = 0; k < PACK; ++k) s[k] = sc[v * PACK + k];
+  };
   const bool issuer = threadIdx.x == 0;
   if (issuer) {
     for (int st = 0; st < stages; ++st) mbarrier_init(&bars[st], 1);
@@ -1216,43 +1282,17 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
     for (int j = 0; j < RPG; ++j) {
       const int r = j * GROUPS + group;
       const int64_t row = c * CHUNK + r;
-      // Group-uniform: every lane takes part in the shuffles; rows past the end add zeros.
       const bool valid = row < a.rows;
       PackT rx[VPT], rd[VPT];
-      float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (valid && col < a.cols) {
           rx[v] = *reinterpret_cast<const PackT*>(xs + r * a.cols + col);
           rd[v] = *reinterpret_cast<const PackT*>(dys + r * a.cols + col);
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) {
-            const float g = to_float(rd[v].v[k]) * sc[v * PACK + k];
-            sum_g += g;
-            sum_gx += g * (to_float(rx[v].v[k]) - mean[j]) * rstd[j];
-          }
         }
       }
-      const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
-      const float mgx = group_sum<WIDTH>(sum_gx) * inv_n;
-      if (!valid) continue;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (col >= a.cols) continue;
-        float out[PACK];
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) {
-          const int i = v * PACK + k;
-          const float d = to_float(rd[v].v[k]);
-          const float xh = (to_float(rx[v].v[k]) - mean[j]) * rstd[j];
-          out[k] = norm_dx(d * sc[i], xh, rstd[j], mg, mgx);
-          ds[i] += d * xh;
-          db[i] += d;
-        }
-        store(row * a.cols + col, out);
-      }
+      bwd_group_row<T, PACK, VPT, WIDTH>(a, store, row, valid, glane, mean[j], rstd[j], rx, rd, scale_of, ds, db);
     }
     __syncthreads();  // every thread has read the stage
     if (issuer && c + int64_t(stages) * gridDim.x < chunks) fill(stage, c + int64_t(stages) * gridDim.x);
@@ -1340,34 +1380,33 @@ __global__ void __launch_bounds__(256) param_grad_kernel(BwdArgs a, int64_t chun
 
 // Column sums of partial rows ([nrows, cols] float32): blockIdx.y picks dscale's (0) or
 // dbias's (1) array, a null one is skipped. A block takes 32 columns; its warps take the
-// rows j = warp (mod warps), four at a time into four accumulators (four loads in
-// flight), then warp 0 adds the warps' sums in order: a fixed order for a given grid,
-// so bitwise reproducible. (One warp row after row measured 4-12 µs for the few hundred
-// rows of the narrow tiers, a third of their backward.)
+// rows j = warp (mod warps), eight loads in flight at a time (for up to 256 rows, all of a
+// warp's rows in one round trip), then warp 0 adds the warps' sums in order: a fixed
+// order for a given grid, so bitwise reproducible. (One warp row after row measured 4-12
+// µs for the few hundred rows of the narrow tiers, a third of their backward; four loads
+// a round 2.1-4.2 µs.)
 template <typename P>
 __global__ void __launch_bounds__(1024) sum_partials_kernel(const float* part0, const float* part1, int64_t nrows,
                                                             int64_t cols, P* out0, P* out1) {
+  constexpr int kLoads = 8;
   const float* part = blockIdx.y == 0 ? part0 : part1;
   P* out = blockIdx.y == 0 ? out0 : out1;
   if (part == nullptr) return;  // the whole block
   __shared__ float red[32][33];
   const int tx = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
   const int64_t col = int64_t(blockIdx.x) * 32 + tx;
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  float acc = 0.f;
   if (col < cols) {
     const float* p = part + col;
-    int64_t j = w;
-    for (; j + 3 * nw < nrows; j += 4 * nw) {
-      a0 += p[j * cols];
-      a1 += p[(j + nw) * cols];
-      a2 += p[(j + 2 * nw) * cols];
-      a3 += p[(j + 3 * nw) * cols];
+    for (int64_t j = w; j < nrows; j += int64_t(kLoads) * nw) {
+      float v[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) v[u] = j + int64_t(u) * nw < nrows ? p[(j + int64_t(u) * nw) * cols] : 0.f;
+#pragma unroll
+      for (int u = 0; u < kLoads; u += 2) acc += v[u] + v[u + 1];
     }
-    if (j < nrows) a0 += p[j * cols];
-    if (j + nw < nrows) a1 += p[(j + nw) * cols];
-    if (j + 2 * nw < nrows) a2 += p[(j + 2 * nw) * cols];
   }
-  red[w][tx] = (a0 + a1) + (a2 + a3);
+  red[w][tx] = acc;
   __syncthreads();
   if (w == 0 && col < cols) {
     float t = 0.f;
@@ -1376,12 +1415,12 @@ __global__ void __launch_bounds__(1024) sum_partials_kernel(const float* part0, 
   }
 }
 
-// One launch for both arrays: a warp for every 16 partial rows, 1-32 warps a block.
+// One launch for both arrays: a warp for every 8 partial rows, 1-32 warps a block.
 template <typename P>
 cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int64_t nrows, int64_t cols,
                                 P* dscale, P* dbias, cudaStream_t stream) {
   if (part_ds == nullptr && part_db == nullptr) return cudaSuccess;
-  const int64_t warps = std::min<int64_t>(32, std::max<int64_t>(1, (nrows + 15) / 16));
+  const int64_t warps = std::min<int64_t>(32, std::max<int64_t>(1, (nrows + 7) / 8));
   const dim3 grid(unsigned((cols + 31) / 32), part_db != nullptr ? 2u : 1u);
   sum_partials_kernel<P><<<grid, unsigned(warps * 32), 0, stream>>>(part_ds, part_db, nrows, cols, dscale, dbias);
   return cudaGetLastError();
