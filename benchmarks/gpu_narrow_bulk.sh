@@ -4,7 +4,7 @@
 # Stages: fulltests (the norm test files), sanitize (memcheck / synccheck at SAN_COLS,
 # SAN_ROWS rows; racecheck at RACE_COLS), ab (the backward of .carry/_ffi_old.so.gz, the
 # previous build, against this one, same run, at AB_COLS), knobs (stages a block, the
-# add+norm switch), breakdown (per-kernel times at BD_COLS), sweep (fwd / bwd / step /
+# add+norm switch), rowsknob (rows a group of the 16-bit register backward), breakdown (per-kernel times at BD_COLS), sweep (fwd / bwd / step /
 # fwd_bwd, auto / cuda / flax at SWEEP_COLS), workspace.
 # Usage: bash benchmarks/gpu_narrow_bulk.sh [stages]
 set -uo pipefail
@@ -61,6 +61,9 @@ if has knobs; then
     --cols ${KNOB_COLS:-32,128,256,512,1024}
   knob_sweep addbulk JAX_OPS_NORM_BWD_ROWS_BULK_ADD "0 1" --op add_layer_norm,add_rms_norm --mode bwd \
     --cols ${KNOB_COLS:-32,128,256,512,1024}
+fi
+if has rowsknob; then
+  knob_sweep rowsknob JAX_OPS_NORM_BWD_REGS_ROWS "0 1 2" --op layer_norm,rms_norm --mode bwd --cols ${ROWS_COLS:-32,64,128,256}
 fi
 if has breakdown; then
   for c in ${BD_COLS:-32 128 256}; do

@@ -462,11 +462,12 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
         if (row < a.rows && col < a.cols) load(row * a.cols + col, raw[r][v]);
       }
     }
-    // With one pack a lane, the tile's rows share the lane's scale/bias values: loaded
-    // once, with the rows (a load a row each from L1 measured LayerNorm at 92-93 % of copy
-    // at 32-128 columns, RMSNorm at 100 %).
+    // With one pack a lane and several rows a group, the tile's rows share the lane's
+    // scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 -> 11.3 µs
+    // at 128 columns; at 256, one row a group, it cost 0.7 µs).
+    constexpr bool SHARED_PARAMS = VPT == 1 && ROWS > 1;
     float sc1[PACK], bi1[PACK];
-    if constexpr (VPT == 1) {
+    if constexpr (SHARED_PARAMS) {
       if (int64_t(glane) * PACK < a.cols) {
         load_param<P, PACK>(a.scale, int64_t(glane) * PACK, 1.f, sc1);
         load_param<P, PACK>(a.bias, int64_t(glane) * PACK, 0.f, bi1);
@@ -482,7 +483,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (col >= a.cols) continue;
         float sc[PACK], bi[PACK], out[PACK];
-        if constexpr (VPT == 1) {
+        if constexpr (SHARED_PARAMS) {
 #pragma unroll
           for (int k = 0; k < PACK; ++k) { sc[k] = sc1[k]; bi[k] = bi1[k]; }
         } else {
@@ -1211,13 +1212,15 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
 }
 
 // The group tier's backward (rows of up to kRegsMaxCols values, WIDTH lanes a row) with
-// x and dy staged in shared memory by bulk copies (sm_90). The register kernel keeps one
-// tile of rows a warp in flight, 32-40 KiB an SM, and ran at 80-87 % of its 3X copy
-// floor at 128-256 16-bit columns; here a stage holds a chunk of CHUNK = groups * RPG
-// consecutive rows (contiguous: one copy each of x and dy) and `stages` chunks a block
-// are in flight whatever the registers. A group takes rows j * groups + group of the
-// chunk; the chunk's statistics come into registers a chunk ahead; a stage is refilled
-// once a block barrier shows every thread has read it.
+// x and dy staged in shared memory by bulk copies (sm_90): a stage holds a chunk of
+// CHUNK = groups * RPG consecutive rows (contiguous: one copy each of x and dy) and
+// `stages` chunks a block are in flight whatever the registers. A group takes rows
+// j * groups + group of the chunk; the chunk's statistics come into registers a chunk
+// ahead; a stage is refilled once a block barrier shows every thread has read it.
+// float32 rows only: there it is 1.03-1.09x faster than the register kernel (H100,
+// 32-64 and 512-1024 columns, even at 128-256); with 16-bit rows, whose register kernel
+// is issue-bound rather than short of loads in flight (ncu, 256 columns: 57 % issue
+// slots, 2.0 TB/s), it was 0.94-1.06x (docs/perf-notes.md).
 // Layout: `stages` mbarriers (kBulkBarrierBytes), then [stage][x, dy][CHUNK * cols] T;
 // at the end the same memory holds the partials of bwd_group_store_partials.
 template <int VPT>
@@ -1644,13 +1647,13 @@ inline int bwd_group_merge_blocks(const BwdArgs& a) {
 }
 
 // The group tier staged by bulk copies (bwd_rows_bulk_kernel): JAX_OPS_NORM_BWD_ROWS_BULK_STAGES
-// chunks a block in flight (0 = off), rows of at most JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS
-// values; add+norm's backward (whose dh loads stay in each row's chain) only with
-// JAX_OPS_NORM_BWD_ROWS_BULK_ADD=1. sm_90 code and device, 16-byte packs. False (nothing
-// launched) where it does not apply.
+// chunks a block in flight (0 = off; 2: three blocks an SM, 1-2 % faster than 3),
+// rows of at most JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS values; add+norm's backward (whose
+// dh loads stay in each row's chain) only with JAX_OPS_NORM_BWD_ROWS_BULK_ADD=1. sm_90
+// code and device, 16-byte packs. False (nothing launched) where it does not apply.
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
-  static const int stages = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_STAGES", 3);
+  static const int stages = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_STAGES", 2);
   static const int max_cols = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS", kRegsMaxCols);
   static const int with_add = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_ADD", 0);
   if (PACK * sizeof(T) != 16 || stages < 2 || stages > kBulkBarrierBytes / 8 || a.cols > max_cols) return false;
@@ -1685,13 +1688,19 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
   return true;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, int ROWS0 = 0>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  if constexpr (PACK * sizeof(T) == 16) {
+  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16) {
     cudaError_t err = cudaSuccess;
     if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
   }
-  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
+  // Experiment knob JAX_OPS_NORM_BWD_REGS_ROWS (16-bit, one pack a lane): rows a group.
+  if constexpr (sizeof(T) == 2 && VPT == 1 && ROWS0 == 0) {
+    static const int rows_knob = env_knob("JAX_OPS_NORM_BWD_REGS_ROWS", 0);
+    if (rows_knob == 1) return launch_bwd_regs<T, P, PACK, VPT, WIDTH, S, 1>(a, stream, plan);
+    if (rows_knob == 2) return launch_bwd_regs<T, P, PACK, VPT, WIDTH, S, 2>(a, stream, plan);
+  }
+  constexpr int ROWS = ROWS0 > 0 ? ROWS0 : (WIDTH < 32 ? 2 : 1);
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
   const bool partials = wants_param_grads(a);
