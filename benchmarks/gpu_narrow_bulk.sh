@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (twelfth session, issue 20): the group tier's backward (rows up to 1024
 # values) staged by bulk copies, chunks of consecutive rows (bwd_rows_bulk_kernel).
-# Stages: fulltests (the norm test files), sanitize (memcheck / synccheck at SAN_COLS,
+# Stages: fulltests (the norm test files), quicktests (TEST_K of test_layer_norm.py), sanitize (memcheck / synccheck at SAN_COLS,
 # SAN_ROWS rows; racecheck at RACE_COLS), ab (the backward of .carry/_ffi_old.so.gz, the
 # previous build, against this one, same run, at AB_COLS), knobs (stages a block, the
 # add+norm switch), rowsknob (rows a group of the 16-bit register backward), breakdown (per-kernel times at BD_COLS), sweep (fwd / bwd / step /
@@ -12,6 +12,12 @@ source benchmarks/gpu_extension.sh
 STAGES=${1:-fulltests,sanitize,ab,sweep}
 source benchmarks/gpu_stages.sh
 has fulltests && norm_tests
+if has quicktests; then
+  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py -k "${TEST_K:-many_rows or -32- or 128 or 1024}" \
+    > "$OUT/tests.txt" 2>&1
+  tail -2 "$OUT/tests.txt" | tee -a "$LOG"
+  stage_done quicktests
+fi
 if has sanitize; then
   { for tool in memcheck synccheck; do
       ROWS=${SAN_ROWS:-5001} timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
@@ -79,6 +85,12 @@ if has sweep; then
     --cols ${SWEEP_COLS:-32,128,256,512,1024} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep.txt" | tee -a "$LOG"
   stage_done sweep
+fi
+if has sweepf32; then
+  timeout 200 python3 -m jax_ops.bench --repeats 3 --dtype f32 --rows 49152 --impl auto,cuda,flax --op layer_norm,rms_norm \
+    --mode fwd,bwd,step --cols ${F32_COLS:-32,128,256,1024} --json "$OUT/sweep_f32.json" > "$OUT/sweep_f32.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep_f32.txt" | tee -a "$LOG"
+  stage_done sweepf32
 fi
 has workspace && workspace_stage
 exit 0

@@ -1383,33 +1383,34 @@ __global__ void __launch_bounds__(256) param_grad_kernel(BwdArgs a, int64_t chun
 
 // Column sums of partial rows ([nrows, cols] float32): blockIdx.y picks dscale's (0) or
 // dbias's (1) array, a null one is skipped. A block takes 32 columns; its warps take the
-// rows j = warp (mod warps), eight loads in flight at a time (for up to 256 rows, all of a
-// warp's rows in one round trip), then warp 0 adds the warps' sums in order: a fixed
-// order for a given grid, so bitwise reproducible. (One warp row after row measured 4-12
-// µs for the few hundred rows of the narrow tiers, a third of their backward; four loads
-// a round 2.1-4.2 µs.)
+// rows j = warp (mod warps), four at a time into four accumulators (four loads in
+// flight), then warp 0 adds the warps' sums in order: a fixed order for a given grid,
+// so bitwise reproducible. (One warp row after row measured 4-12 µs for the few hundred
+// rows of the narrow tiers, a third of their backward.)
 template <typename P>
 __global__ void __launch_bounds__(1024) sum_partials_kernel(const float* part0, const float* part1, int64_t nrows,
                                                             int64_t cols, P* out0, P* out1) {
-  constexpr int kLoads = 8;
   const float* part = blockIdx.y == 0 ? part0 : part1;
   P* out = blockIdx.y == 0 ? out0 : out1;
   if (part == nullptr) return;  // the whole block
   __shared__ float red[32][33];
   const int tx = threadIdx.x % 32, w = threadIdx.x / 32, nw = blockDim.x / 32;
   const int64_t col = int64_t(blockIdx.x) * 32 + tx;
-  float acc = 0.f;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
   if (col < cols) {
     const float* p = part + col;
-    for (int64_t j = w; j < nrows; j += int64_t(kLoads) * nw) {
-      float v[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) v[u] = j + int64_t(u) * nw < nrows ? p[(j + int64_t(u) * nw) * cols] : 0.f;
-#pragma unroll
-      for (int u = 0; u < kLoads; u += 2) acc += v[u] + v[u + 1];
+    int64_t j = w;
+    for (; j + 3 * nw < nrows; j += 4 * nw) {
+      a0 += p[j * cols];
+      a1 += p[(j + nw) * cols];
+      a2 += p[(j + 2 * nw) * cols];
+      a3 += p[(j + 3 * nw) * cols];
     }
+    if (j < nrows) a0 += p[j * cols];
+    if (j + nw < nrows) a1 += p[(j + nw) * cols];
+    if (j + 2 * nw < nrows) a2 += p[(j + 2 * nw) * cols];
   }
-  red[w][tx] = acc;
+  red[w][tx] = (a0 + a1) + (a2 + a3);
   __syncthreads();
   if (w == 0 && col < cols) {
     float t = 0.f;
@@ -1418,12 +1419,12 @@ __global__ void __launch_bounds__(1024) sum_partials_kernel(const float* part0, 
   }
 }
 
-// One launch for both arrays: a warp for every 8 partial rows, 1-32 warps a block.
+// One launch for both arrays: a warp for every 16 partial rows, 1-32 warps a block.
 template <typename P>
 cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int64_t nrows, int64_t cols,
                                 P* dscale, P* dbias, cudaStream_t stream) {
   if (part_ds == nullptr && part_db == nullptr) return cudaSuccess;
-  const int64_t warps = std::min<int64_t>(32, std::max<int64_t>(1, (nrows + 7) / 8));
+  const int64_t warps = std::min<int64_t>(32, std::max<int64_t>(1, (nrows + 15) / 16));
   const dim3 grid(unsigned((cols + 31) / 32), part_db != nullptr ? 2u : 1u);
   sum_partials_kernel<P><<<grid, unsigned(warps * 32), 0, stream>>>(part_ds, part_db, nrows, cols, dscale, dbias);
   return cudaGetLastError();
@@ -1688,19 +1689,15 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
   return true;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, int ROWS0 = 0>
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16) {
     cudaError_t err = cudaSuccess;
     if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
   }
-  // Experiment knob JAX_OPS_NORM_BWD_REGS_ROWS (16-bit, one pack a lane): rows a group.
-  if constexpr (sizeof(T) == 2 && VPT == 1 && ROWS0 == 0) {
-    static const int rows_knob = env_knob("JAX_OPS_NORM_BWD_REGS_ROWS", 0);
-    if (rows_knob == 1) return launch_bwd_regs<T, P, PACK, VPT, WIDTH, S, 1>(a, stream, plan);
-    if (rows_knob == 2) return launch_bwd_regs<T, P, PACK, VPT, WIDTH, S, 2>(a, stream, plan);
-  }
-  constexpr int ROWS = ROWS0 > 0 ? ROWS0 : (WIDTH < 32 ? 2 : 1);
+  // Rows a group (H100, 16-bit, 32-256 columns: 1 and 2 measured within 0.5 µs of each
+  // other, docs/perf-notes.md).
+  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
   const bool partials = wants_param_grads(a);
