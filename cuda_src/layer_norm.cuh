@@ -381,10 +381,20 @@ struct LoadAdd {
 template <typename T>
 struct StoreDx {
   using Args = BwdArgs;
+  // What a store needs loaded besides dx's values (nothing here; dh for add+norm), which
+  // the group tier loads with the row, ahead of the row sums.
+  template <int PACK>
+  struct Ahead {};
   T* dx;
   __device__ __forceinline__ explicit StoreDx(const BwdArgs& a) : dx(static_cast<T*>(a.dx)) {}
   template <int PACK>
+  __device__ __forceinline__ Ahead<PACK> load_ahead(int64_t) const { return {}; }
+  template <int PACK>
   __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
+    store_pack<T, PACK>(dx + i, v);
+  }
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK], const Ahead<PACK>&) const {
     store_pack<T, PACK>(dx + i, v);
   }
 };
@@ -394,17 +404,28 @@ struct StoreDx {
 template <typename T>
 struct StoreDxAddDh {
   using Args = BwdAddArgs;
+  template <int PACK>
+  struct Ahead {
+    Pack<T, PACK> dh;
+  };
   T* dx;
   const T* dh;
   __device__ __forceinline__ explicit StoreDxAddDh(const BwdAddArgs& a)
       : dx(static_cast<T*>(a.dx)), dh(static_cast<const T*>(a.dh)) {}
   template <int PACK>
-  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
-    float d[PACK], out[PACK];
-    load_pack<T, PACK>(dh + i, d);
+  __device__ __forceinline__ Ahead<PACK> load_ahead(int64_t i) const {
+    return {*reinterpret_cast<const Pack<T, PACK>*>(dh + i)};
+  }
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK], const Ahead<PACK>& ahead) const {
+    float out[PACK];
 #pragma unroll
-    for (int k = 0; k < PACK; ++k) out[k] = v[k] + d[k];
+    for (int k = 0; k < PACK; ++k) out[k] = v[k] + to_float(ahead.dh.v[k]);
     store_pack<T, PACK>(dx + i, out);
+  }
+  template <int PACK>
+  __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
+    (*this)(i, v, load_ahead<PACK>(i));
   }
 };
 
@@ -739,19 +760,22 @@ __device__ __forceinline__ void group_scale(const BwdArgs& a, int glane, float (
 
 // One row of the group tier's backward, from the group's packs of x and dy (lane glane
 // holds packs v * WIDTH + glane): dx is stored and dy·xhat, dy go to the lane's
-// dscale/dbias partials. With one pack a lane each value is converted and normalized
-// once: g and xhat stay as floats for the second pass (the tier is issue-bound at 128-256
-// 16-bit columns, ncu). With more, keeping them costs occupancy (512 16-bit columns: 96
-// -> 137 registers), so they are recomputed from the packs. Group-uniform: every lane takes part in
+// dscale/dbias partials. With one 16-bit pack a lane each value is converted and
+// normalized once: g and xhat stay as floats for the second pass (the tier is
+// issue-bound at 128-256 16-bit columns, ncu: 1.04-1.09x). With more packs, keeping them
+// costs occupancy (512 16-bit columns: 96 -> 137 registers), and float32 rows measured
+// 1-4 % slower, so there they are recomputed from the packs. Group-uniform: every lane takes part in
 // the shuffles, a row past the end (valid false) adds zeros. scale_of(v, s) gives pack
 // v's scale values (from registers, or loaded where used).
-template <typename T, int PACK, int VPT, int WIDTH, typename S, typename ScaleOf>
+template <typename T, int PACK, int VPT, int WIDTH, bool AHEAD, typename S, typename ScaleOf>
 __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, int64_t row, bool valid, int glane,
                                               float mean, float rstd, const Pack<T, PACK> (&rx)[VPT],
-                                              const Pack<T, PACK> (&rd)[VPT], const ScaleOf& scale_of,
-                                              float (&ds)[VPT * PACK], float (&db)[VPT * PACK]) {
+                                              const Pack<T, PACK> (&rd)[VPT],
+                                              const typename S::template Ahead<PACK> (&ahead)[VPT],
+                                              const ScaleOf& scale_of, float (&ds)[VPT * PACK],
+                                              float (&db)[VPT * PACK]) {
   constexpr int N = VPT * PACK;
-  constexpr bool KEEP = VPT == 1;
+  constexpr bool KEEP = VPT == 1 && sizeof(T) == 2;
   float g[KEEP ? N : 1], xh[KEEP ? N : 1], sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
   for (int v = 0; v < VPT; ++v) {
@@ -799,17 +823,23 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
         db[i] += d;
       }
     }
-    store(row * a.cols + col, out);
+    if constexpr (AHEAD)
+      store(row * a.cols + col, out, ahead[v]);
+    else
+      store(row * a.cols + col, out);
   }
 }
 
 // Rows of up to kRegsMaxCols values, a group of WIDTH lanes a row, ROWS rows a group
 // loaded together; a persistent grid of warps. The scale stays in registers across rows
-// at one pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
+// at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S>
 __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
-  constexpr bool HOIST_SCALE = VPT == 1;
+  constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
+  // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
+  // registers of a pack a lane (1024 16-bit columns: 167 -> 218), so it is loaded where stored.
+  constexpr bool AHEAD = VPT == 1;
   using PackT = Pack<T, PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
@@ -832,6 +862,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
        tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
     // x and dy are loaded in their storage type (half the registers of float).
     PackT rx[ROWS][VPT], rd[ROWS][VPT];
+    typename S::template Ahead<PACK> ahead[ROWS][VPT];  // add+norm's dh, with the row (AHEAD)
     float mean[ROWS], rstd[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -845,14 +876,15 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
         if (valid && col < a.cols) {
           rx[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
           rd[r][v] = *reinterpret_cast<const PackT*>(dy + row * a.cols + col);
+          if (AHEAD) ahead[r][v] = store.template load_ahead<PACK>(row * a.cols + col);
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      bwd_group_row<T, PACK, VPT, WIDTH>(a, store, row, row < a.rows, glane, mean[r], rstd[r], rx[r], rd[r], scale_of,
-                                         ds, db);
+      bwd_group_row<T, PACK, VPT, WIDTH, AHEAD>(a, store, row, row < a.rows, glane, mean[r], rstd[r], rx[r], rd[r],
+                                                ahead[r], scale_of, ds, db);
     }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
@@ -1217,10 +1249,10 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
 // `stages` chunks a block are in flight whatever the registers. A group takes rows
 // j * groups + group of the chunk; the chunk's statistics come into registers a chunk
 // ahead; a stage is refilled once a block barrier shows every thread has read it.
-// float32 rows only: there it is 1.03-1.09x faster than the register kernel (H100,
-// 32-64 and 512-1024 columns, even at 128-256); with 16-bit rows, whose register kernel
-// is issue-bound rather than short of loads in flight (ncu, 256 columns: 57 % issue
-// slots, 2.0 TB/s), it was 0.94-1.06x (docs/perf-notes.md).
+// float32 rows of 256+ columns only: there it is 1.03-1.05x faster than the register
+// kernel (H100); at 128 float32 columns 0.96x, and with 16-bit rows, whose register
+// kernel is issue-bound rather than short of loads in flight (ncu, 256 columns: 57 %
+// issue slots, 2.0 TB/s), 0.94-1.06x (docs/perf-notes.md).
 // Layout: `stages` mbarriers (kBulkBarrierBytes), then [stage][x, dy][CHUNK * cols] T;
 // at the end the same memory holds the partials of bwd_group_store_partials.
 template <int VPT>
@@ -1287,6 +1319,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
       const int64_t row = c * CHUNK + r;
       const bool valid = row < a.rows;
       PackT rx[VPT], rd[VPT];
+      typename S::template Ahead<PACK> ahead[VPT];
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
@@ -1295,7 +1328,8 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
           rd[v] = *reinterpret_cast<const PackT*>(dys + r * a.cols + col);
         }
       }
-      bwd_group_row<T, PACK, VPT, WIDTH>(a, store, row, valid, glane, mean[j], rstd[j], rx, rd, scale_of, ds, db);
+      bwd_group_row<T, PACK, VPT, WIDTH, false>(a, store, row, valid, glane, mean[j], rstd[j], rx, rd, ahead, scale_of,
+                                                ds, db);
     }
     __syncthreads();  // every thread has read the stage
     if (issuer && c + int64_t(stages) * gridDim.x < chunks) fill(stage, c + int64_t(stages) * gridDim.x);
@@ -1691,7 +1725,9 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16) {
+  // float32 rows of two or more packs a lane (256+ columns) are staged by bulk copies;
+  // at one pack a lane (<= 128) the register kernel measured 1-4 % faster (H100).
+  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2) {
     cudaError_t err = cudaSuccess;
     if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
   }

@@ -304,11 +304,13 @@ MANY_LONG_ROWS = [((300, 8200), "bfloat16"), ((263, 16384), "bfloat16"), ((97, 2
                   ((2501, 4096), "float16"), ((1701, 6000), "bfloat16"), ((1201, 8192), "bfloat16"),
                   ((1601, 16384), "bfloat16"), ((801, 16384), "float32"), ((300, 6144), "bfloat16"),
                   ((120, 12288), "float32")]
-# Narrow rows on sm_90 (bwd_rows_bulk_kernel): chunks of 32-1024 rows staged per block, more
-# chunks than an H100's resident blocks times 3 stages (so every stage is refilled and its
-# barrier's phase flips), and a last chunk that is partly past the end.
+# Narrow rows: the group tier's register kernel over many tiles, and on sm_90 float32 rows
+# of 256+ columns staged by chunks of consecutive rows (bwd_rows_bulk_kernel): more chunks
+# than an H100's resident blocks times the stages (every stage is refilled and its
+# barrier's phase flips), and a last chunk partly past the end.
 MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30011, 256), "float16"),
-                    ((15001, 512), "bfloat16"), ((4001, 1024), "float32"), ((60001, 64), "float32")]
+                    ((15001, 512), "bfloat16"), ((4001, 1024), "float32"), ((60001, 64), "float32"),
+                    ((20011, 256), "float32")]
 
 
 @pytest.mark.heavy
