@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One device call (twelfth session, issue 20): the group tier's backward (rows up to 1024
-# values) staged by bulk copies, chunks of consecutive rows (bwd_rows_bulk_kernel).
-# Stages: fulltests (the norm test files), quicktests (TEST_K of test_layer_norm.py), sanitize (memcheck / synccheck at SAN_COLS,
-# SAN_ROWS rows; racecheck at RACE_COLS), ab (the backward of .carry/_ffi_old.so.gz, the
-# previous build, against this one, same run, at AB_COLS), knobs (stages a block, the
-# add+norm switch), rowsknob (rows a group of the 16-bit register backward), breakdown (per-kernel times at BD_COLS), sweep (fwd / bwd / step /
-# fwd_bwd, auto / cuda / flax at SWEEP_COLS), workspace.
+# One device call (twelfth session, issue 20): the group tier's backward at 32-1024
+# columns (bwd_rows_bulk_kernel, bwd_group_row) and the cluster forward's parameters.
+# Stages: fulltests (the norm test files); quicktests (TEST_K of test_layer_norm.py);
+# sanitize (memcheck / synccheck at SAN_COLS, SAN_ROWS rows; racecheck at RACE_COLS); ab
+# (the backward of .carry/_ffi_old.so.gz, the previous build, against this one, same run,
+# at AB_COLS); abknob (the same under each AB_STAGES, with the forward); knobs (stages a
+# block, the add+norm switch); rowsknob (rows a group of the 16-bit register backward:
+# JAX_OPS_NORM_BWD_REGS_ROWS existed in run 5's build only); breakdown (per-kernel times at
+# BD_COLS); sweep (fwd / bwd / step / fwd_bwd, auto / cuda / flax at SWEEP_COLS); psmem
+# (the cluster forward's parameters in shared memory); sweepf32; workspace.
 # Usage: bash benchmarks/gpu_narrow_bulk.sh [stages]
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -85,6 +88,20 @@ if has sweep; then
     --cols ${SWEEP_COLS:-32,128,256,512,1024} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep.txt" | tee -a "$LOG"
   stage_done sweep
+fi
+# The cluster forward's parameters in shared memory (JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM,
+# and packs a thread _PACKS): LayerNorm / add_layer_norm forward at 65536 bf16 and
+# 32768 / 65536 float32 columns, 8192 rows, under each setting of PSMEM_ENVS.
+if has psmem; then
+  for e in ${PSMEM_ENVS:-JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM=0 JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM=1}; do
+    echo "== $e"
+    env $e timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --rows 8192 --impl cuda \
+      --op layer_norm,add_layer_norm,rms_norm --mode fwd --cols 65536 2>&1
+    env $e timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype f32 --rows 8192 --impl cuda \
+      --op layer_norm --mode fwd --cols 32768,65536 2>&1
+  done > "$OUT/psmem.txt"
+  grep -E "^== |^[a-z_]+ fwd " "$OUT/psmem.txt" | tee -a "$LOG"
+  stage_done psmem
 fi
 if has sweepf32; then
   timeout 200 python3 -m jax_ops.bench --repeats 3 --dtype f32 --rows 49152 --impl auto,cuda,flax --op layer_norm,rms_norm \
