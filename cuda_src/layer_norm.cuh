@@ -638,7 +638,7 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
   }
 }
 
-template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false, bool PSMEM = false>
+template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false>
 __global__ void fwd_block_kernel(typename L::Args a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
@@ -651,25 +651,6 @@ __global__ void fwd_block_kernel(typename L::Args a) {
   const RowSplit sp = row_split<CLUSTER>();
   const int64_t tid = sp.thread(), span = sp.threads();
   if constexpr (CLUSTER) ClusterExchange<4>::init();
-  // PSMEM: the thread's scale and bias values, as floats, in shared memory after the
-  // cache ([scale, bias][PACK / 4][slots] float4s), written once and read by the same
-  // thread every row, instead of from L2 every row (fwd_params_smem).
-  constexpr int Q = PSMEM ? PACK / 4 : 1;
-  static_assert(!PSMEM || PACK % 4 == 0, "float4 parameter slots");
-  const int64_t slots = ((nvec + span - 1) / span) * blockDim.x;
-  float4* pparam = reinterpret_cast<float4*>(cache + slots);
-  if constexpr (PSMEM) {
-    for (int64_t v = tid, c = threadIdx.x; v < nvec; v += span, c += blockDim.x) {
-      float sc[PACK], bi[PACK];
-      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
-      load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
-#pragma unroll
-      for (int q = 0; q < Q; ++q) {
-        pparam[q * slots + c] = make_float4(sc[4 * q], sc[4 * q + 1], sc[4 * q + 2], sc[4 * q + 3]);
-        pparam[(Q + q) * slots + c] = make_float4(bi[4 * q], bi[4 * q + 1], bi[4 * q + 2], bi[4 * q + 3]);
-      }
-    }
-  }
   int use = 0;
   for (int64_t row = sp.first_row; row < a.rows; row += sp.step, ++use) {
     const auto xr = load.template packs<PACK>(row * nvec);  // this row
@@ -691,17 +672,8 @@ __global__ void fwd_block_kernel(typename L::Args a) {
       if (CACHE) pk = cache[c];
       else xr.reload(v, pk);
       float sc[PACK], bi[PACK], out[PACK];
-      if constexpr (PSMEM) {
-#pragma unroll
-        for (int q = 0; q < Q; ++q) {
-          const float4 s4 = pparam[q * slots + c], b4 = pparam[(Q + q) * slots + c];
-          sc[4 * q] = s4.x, sc[4 * q + 1] = s4.y, sc[4 * q + 2] = s4.z, sc[4 * q + 3] = s4.w;
-          bi[4 * q] = b4.x, bi[4 * q + 1] = b4.y, bi[4 * q + 2] = b4.z, bi[4 * q + 3] = b4.w;
-        }
-      } else {
-        load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
-        load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
-      }
+      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
+      load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
 #pragma unroll
       for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(pk.v[k]), st, sc[k], bi[k]);
       store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
@@ -1525,36 +1497,10 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
 template <typename T, typename P, int PACK, typename L>
 bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaError_t* err) {
   static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 65536 + 1);
-  static const int psmem_on = env_knob("JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM", 1);
-  static const int psmem_packs = env_knob("JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM_PACKS", 2);
-  constexpr int64_t kSliceBytes = 65536, kParamSliceBytes = 96 * 1024;
-  const int64_t row_bytes = a.cols * int64_t(sizeof(T)), nvec = a.cols / PACK;
-  if (min_bytes <= 0 || row_bytes < min_bytes) return false;
-  // float32 scale and bias (LayerNorm) are 4x a 16-bit row's bytes, re-read from L2 by
-  // every row: on chip instead, in slices of at most kParamSliceBytes with the row's.
-  if constexpr (PACK % 4 == 0 && sizeof(P) == 4) {
-    auto kernel = fwd_block_kernel<T, P, PACK, true, L, true, true>;
-    const int64_t col_bytes = int64_t(sizeof(T)) + 2 * int64_t(sizeof(float));
-    int cs = 2;
-    while (cs < kMaxClusterBlocks && a.cols * col_bytes > cs * kParamSliceBytes) cs *= 2;
-    const int64_t per_block = (nvec + cs - 1) / cs, packs = psmem_packs < 1 ? 1 : psmem_packs;
-    const int threads = int(std::min<int64_t>(512, std::max<int64_t>(128, ((per_block + packs - 1) / packs + 31) / 32 * 32)));
-    const int64_t slots = (nvec + int64_t(cs) * threads - 1) / (int64_t(cs) * threads) * threads;
-    const size_t smem = size_t(slots) * (sizeof(Pack<T, PACK>) + 2 * PACK * sizeof(float));
-    if (psmem_on && a.bias != nullptr && a.cols * col_bytes <= cs * kParamSliceBytes &&
-        smem <= size_t(kParamSliceBytes) && clusters_supported(kernel)) {
-      int64_t clusters = 0;
-      if (allow_smem(kernel, smem) == cudaSuccess &&
-          cluster_grid(kernel, cs, threads, a.rows, &clusters, smem) == cudaSuccess) {
-        *err = launch_clusters_smem(kernel, cs, threads, smem, clusters, stream,
-                                    static_cast<const typename L::Args&>(a));
-        return true;
-      }
-      cudaGetLastError();
-    }
-  }
+  constexpr int64_t kSliceBytes = 65536;
   auto kernel = fwd_block_kernel<T, P, PACK, true, L, true>;
-  if (!clusters_supported(kernel)) return false;
+  const int64_t row_bytes = a.cols * int64_t(sizeof(T)), nvec = a.cols / PACK;
+  if (min_bytes <= 0 || row_bytes < min_bytes || !clusters_supported(kernel)) return false;
   int cs = 2;
   while (cs < kMaxClusterBlocks && row_bytes > cs * kSliceBytes) cs *= 2;
   const int threads = std::min(block_threads((nvec + cs - 1) / cs), 512);
