@@ -764,9 +764,10 @@ __device__ __forceinline__ void group_scale(const BwdArgs& a, int glane, float (
 // normalized once: g and xhat stay as floats for the second pass (the tier is
 // issue-bound at 128-256 16-bit columns, ncu: 1.04-1.09x). With more packs, keeping them
 // costs occupancy (512 16-bit columns: 96 -> 137 registers), and float32 rows measured
-// 1-4 % slower, so there they are recomputed from the packs. Group-uniform: every lane takes part in
-// the shuffles, a row past the end (valid false) adds zeros. scale_of(v, s) gives pack
-// v's scale values (from registers, or loaded where used).
+// 1-4 % slower, so there they are recomputed from the packs. Group-uniform: every lane
+// takes part in the shuffles, a row past the end (valid false) adds zeros. scale_of(v, s)
+// gives pack v's scale values (from registers, or loaded where used); with AHEAD, the
+// store takes what was loaded with the row (add+norm's dh).
 template <typename T, int PACK, int VPT, int WIDTH, bool AHEAD, typename S, typename ScaleOf>
 __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, int64_t row, bool valid, int glane,
                                               float mean, float rstd, const Pack<T, PACK> (&rx)[VPT],
