@@ -34,19 +34,9 @@ ab_bwd() {
       --mode bwd --cols $cols
   done
 }
-if has ab && [ -f .carry/_ffi_old.so.gz ]; then
-  ab_builds ab ab_bwd
-  grep -E "^== |^[a-z_]+ bwd " "$OUT/ab.txt" | tee -a "$LOG"
-  stage_done ab
-fi
-if has sweep; then
-  timeout ${SWEEP_TIMEOUT:-300} python3 -m jax_ops.bench --repeats 3 --dtype ${SWEEP_DTYPE:-bf16} --rows ${SWEEP_ROWS:-49152} \
-    --impl ${SWEEP_IMPLS:-auto,cuda,flax} \
-    --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} \
-    --cols ${SWEEP_COLS:-16384,32768} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
-  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep.txt" | tee -a "$LOG"
-  stage_done sweep
-fi
+has ab && ab_stage ab ab_bwd
+has sweep && sweep_stage sweep --dtype ${SWEEP_DTYPE:-bf16} --rows ${SWEEP_ROWS:-49152} \
+  --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} --cols ${SWEEP_COLS:-16384,32768}
 has fulltests && norm_tests
 has workspace && workspace_stage
 # Experiment settings: each word of FLAG_ENVS is an environment assignment (knobs of the

@@ -38,11 +38,7 @@ ab_bwd() {
       --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
   done
 }
-if has ab && [ -f .carry/_ffi_old.so.gz ]; then
-  ab_builds ab ab_bwd
-  grep -E "^== |^[a-z_]+ bwd " "$OUT/ab.txt" | tee -a "$LOG"
-  stage_done ab
-fi
+has ab && ab_stage ab ab_bwd
 # The old build, then the new one under each JAX_OPS_NORM_BWD_ROWS_BULK_STAGES of
 # AB_STAGES: the backward at AB_COLS (AB_DTYPES), the forward at FWD_COLS (bf16).
 ab_knob() {
@@ -60,11 +56,7 @@ ab_knob() {
       --cols ${FWD_COLS:-32,128,256}
   done
 }
-if has abknob && [ -f .carry/_ffi_old.so.gz ]; then
-  ab_builds abknob ab_knob
-  grep -E "^== |^[a-z_]+ (bwd|fwd) " "$OUT/abknob.txt" | tee -a "$LOG"
-  stage_done abknob
-fi
+has abknob && ab_stage abknob ab_knob
 if has knobs; then
   knob_sweep stages JAX_OPS_NORM_BWD_ROWS_BULK_STAGES "${KNOB_STAGES:-0 2 3 4}" --op layer_norm,rms_norm --mode bwd \
     --cols ${KNOB_COLS:-32,128,256,512,1024}
@@ -81,14 +73,8 @@ if has breakdown; then
   cat "$OUT/breakdown.txt" | tee -a "$LOG"
   stage_done breakdown
 fi
-if has sweep; then
-  timeout ${SWEEP_TIMEOUT:-300} python3 -m jax_ops.bench --repeats 3 --dtype ${SWEEP_DTYPE:-bf16} --rows ${SWEEP_ROWS:-49152} \
-    --impl ${SWEEP_IMPLS:-auto,cuda,flax} \
-    --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} \
-    --cols ${SWEEP_COLS:-32,128,256,512,1024} --json "$OUT/sweep.json" > "$OUT/sweep.txt" 2>&1
-  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep.txt" | tee -a "$LOG"
-  stage_done sweep
-fi
+has sweep && sweep_stage sweep --dtype ${SWEEP_DTYPE:-bf16} --rows ${SWEEP_ROWS:-49152} \
+  --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} --cols ${SWEEP_COLS:-32,128,256,512,1024}
 # The cluster forward's parameters in shared memory (JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM,
 # and packs a thread _PACKS): LayerNorm / add_layer_norm forward at 65536 bf16 and
 # 32768 / 65536 float32 columns, 8192 rows, under each setting of PSMEM_ENVS.
@@ -103,11 +89,7 @@ if has psmem; then
   grep -E "^== |^[a-z_]+ fwd " "$OUT/psmem.txt" | tee -a "$LOG"
   stage_done psmem
 fi
-if has sweepf32; then
-  timeout 200 python3 -m jax_ops.bench --repeats 3 --dtype f32 --rows 49152 --impl auto,cuda,flax --op layer_norm,rms_norm \
-    --mode fwd,bwd,step --cols ${F32_COLS:-32,128,256,1024} --json "$OUT/sweep_f32.json" > "$OUT/sweep_f32.txt" 2>&1
-  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/sweep_f32.txt" | tee -a "$LOG"
-  stage_done sweepf32
-fi
+has sweepf32 && sweep_stage sweep_f32 --dtype f32 --rows 49152 --op layer_norm,rms_norm --mode fwd,bwd,step \
+  --cols ${F32_COLS:-32,128,256,1024}
 has workspace && workspace_stage
 exit 0

@@ -44,3 +44,20 @@ ab_builds() {
   done > "$OUT/$name.txt" 2>&1
   cp /tmp/ffi_new.so "$so"
 }
+# ab_builds into $OUT/NAME.txt, its timing lines to the log: ab_stage NAME BODY
+ab_stage() {
+  [ -f .carry/_ffi_old.so.gz ] || return 0
+  ab_builds "$1" "$2"
+  grep -E "^== |^[a-z_]+ (fwd|bwd|step|fwd_bwd) " "$OUT/$1.txt" | tee -a "$LOG"
+  stage_done "$1"
+}
+# The benchmark CLI's sweep (auto / cuda / flax unless SWEEP_IMPLS) to $OUT/NAME.{txt,json}, its timing
+# lines to the log: sweep_stage NAME BENCH-ARGS...
+sweep_stage() {
+  local name=$1
+  shift
+  timeout ${SWEEP_TIMEOUT:-300} python3 -m jax_ops.bench --repeats 3 --impl ${SWEEP_IMPLS:-auto,cuda,flax} "$@" \
+    --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
+}
