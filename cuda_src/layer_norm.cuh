@@ -1469,9 +1469,10 @@ cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int6
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename L>
 cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
-  // Rows a group: 4 below 32 lanes; 2 at one pack a lane (a tile of 32 lanes then had
-  // one row, 512 bytes, in flight a warp)
-  constexpr int ROWS = WIDTH < 32 ? 4 : (VPT == 1 ? 2 : 1);
+  // Rows a group: 4 below 32 lanes; 2 at one pack a lane of a plain norm (a tile of 32
+  // lanes then had one row, 512 bytes, in flight a warp: bf16 256 / float32 128 columns
+  // 1.03-1.04x; add+norm, with its residual's loads, measured 1-2 % slower with 2).
+  constexpr int ROWS = WIDTH < 32 ? 4 : (VPT == 1 && std::is_same_v<L, LoadX<T>> ? 2 : 1);
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L>;
   // One tile per warp rather than a persistent grid: with few tiles per warp a
