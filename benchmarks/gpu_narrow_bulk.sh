@@ -76,8 +76,9 @@ fi
 has sweep && sweep_stage sweep --dtype ${SWEEP_DTYPE:-bf16} --rows ${SWEEP_ROWS:-49152} \
   --op ${SWEEP_OPS:-layer_norm,rms_norm} --mode ${SWEEP_MODES:-fwd,bwd,step,fwd_bwd} --cols ${SWEEP_COLS:-32,128,256,512,1024}
 # The cluster forward's parameters in shared memory (JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM,
-# and packs a thread _PACKS): LayerNorm / add_layer_norm forward at 65536 bf16 and
-# 32768 / 65536 float32 columns, 8192 rows, under each setting of PSMEM_ENVS.
+# and packs a thread _PACKS; knobs of run 8's build only, reverted): LayerNorm /
+# add_layer_norm forward at 65536 bf16 and 32768 / 65536 float32 columns, 8192 rows,
+# under each setting of PSMEM_ENVS.
 if has psmem; then
   for e in ${PSMEM_ENVS:-JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM=0 JAX_OPS_NORM_FWD_CLUSTER_PARAMS_SMEM=1}; do
     echo "== $e"
