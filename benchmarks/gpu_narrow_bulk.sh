@@ -5,7 +5,7 @@
 # sanitize (memcheck / synccheck at SAN_COLS, SAN_ROWS rows; racecheck at RACE_COLS); ab
 # (the backward of .carry/_ffi_old.so.gz, the previous build, against this one, same run,
 # at AB_COLS); abknob (the same under each AB_STAGES, with the forward); knobs (stages a
-# block, the add+norm switch); rowsknob (rows a group of the 16-bit register backward:
+# block); rowsknob (rows a group of the 16-bit register backward:
 # JAX_OPS_NORM_BWD_REGS_ROWS existed in run 5's build only); breakdown (per-kernel times at
 # BD_COLS); sweep (fwd / bwd / step / fwd_bwd, auto / cuda / flax at SWEEP_COLS); psmem
 # (the cluster forward's parameters in shared memory); sweepf32; workspace.
@@ -59,8 +59,6 @@ ab_knob() {
 has abknob && ab_stage abknob ab_knob
 if has knobs; then
   knob_sweep stages JAX_OPS_NORM_BWD_ROWS_BULK_STAGES "${KNOB_STAGES:-0 2 3 4}" --op layer_norm,rms_norm --mode bwd \
-    --cols ${KNOB_COLS:-32,128,256,512,1024}
-  knob_sweep addbulk JAX_OPS_NORM_BWD_ROWS_BULK_ADD "0 1" --op add_layer_norm,add_rms_norm --mode bwd \
     --cols ${KNOB_COLS:-32,128,256,512,1024}
 fi
 if has rowsknob; then

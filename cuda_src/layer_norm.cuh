@@ -1687,16 +1687,15 @@ inline int bwd_group_merge_blocks(const BwdArgs& a) {
 
 // The group tier staged by bulk copies (bwd_rows_bulk_kernel): JAX_OPS_NORM_BWD_ROWS_BULK_STAGES
 // chunks a block in flight (0 = off; 2: three blocks an SM, 1-2 % faster than 3),
-// rows of at most JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS values; add+norm's backward (whose
-// dh loads stay in each row's chain) only with JAX_OPS_NORM_BWD_ROWS_BULK_ADD=1. sm_90
-// code and device, 16-byte packs. False (nothing launched) where it does not apply.
+// rows of at most JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS values; plain norms only (add+norm's
+// dh would be loaded in each row's chain: not measured). sm_90 code and device, 16-byte
+// packs. False (nothing launched) where it does not apply.
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
+  static_assert(PACK * sizeof(T) == 16 && std::is_same_v<S, StoreDx<T>>, "plain norms, 16-byte packs");
   static const int stages = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_STAGES", 2);
   static const int max_cols = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS", kRegsMaxCols);
-  static const int with_add = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_ADD", 0);
-  if (PACK * sizeof(T) != 16 || stages < 2 || stages > kBulkBarrierBytes / 8 || a.cols > max_cols) return false;
-  if (!std::is_same_v<S, StoreDx<T>> && !with_add) return false;
+  if (stages < 2 || stages > kBulkBarrierBytes / 8 || a.cols > max_cols) return false;
   auto kernel = bwd_rows_bulk_kernel<T, P, PACK, VPT, WIDTH, S>;
   if (!clusters_supported(kernel)) return false;
   constexpr int CHUNK = (kRegsThreads / WIDTH) * bwd_rows_bulk_rpg<VPT>();
@@ -1729,9 +1728,9 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  // float32 rows of two or more packs a lane (256+ columns) are staged by bulk copies;
-  // at one pack a lane (<= 128) the register kernel measured 1-4 % faster (H100).
-  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2) {
+  // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
+  // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
+  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2 && std::is_same_v<S, StoreDx<T>>) {
     cudaError_t err = cudaSuccess;
     if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
   }
