@@ -4,7 +4,8 @@
 # Stages: fulltests (the norm test files); quicktests (TEST_K of test_layer_norm.py);
 # sanitize (memcheck / synccheck at SAN_COLS, SAN_ROWS rows; racecheck at RACE_COLS); ab
 # (the backward of .carry/_ffi_old.so.gz, the previous build, against this one, same run,
-# at AB_COLS); abknob (the same under each AB_STAGES, with the forward); knobs (stages a
+# at AB_COLS, each of AB_MODES: bwd unless named); knobab (this build under each
+# KNOB_VALUES of KNOB_NAME, the backward at AB_COLS); abknob (the same under each AB_STAGES, with the forward); knobs (stages a
 # block); rowsknob (rows a group of the 16-bit register backward:
 # JAX_OPS_NORM_BWD_REGS_ROWS existed in run 5's build only); breakdown (per-kernel times at
 # BD_COLS); sweep (fwd / bwd / step / fwd_bwd, auto / cuda / flax at SWEEP_COLS); psmem
@@ -32,13 +33,29 @@ if has sanitize; then
   stage_done sanitize
 fi
 ab_bwd() {
-  for dt in ${AB_DTYPES:-bf16 f16 f32}; do
-    echo "== $1 $dt"
-    timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op ${AB_OPS:-layer_norm,rms_norm} \
-      --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
+  local dt mode
+  for mode in ${AB_MODES:-bwd}; do
+    for dt in ${AB_DTYPES:-bf16 f16 f32}; do
+      echo "== $1 $dt $mode"
+      timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda --op ${AB_OPS:-layer_norm,rms_norm} \
+        --mode $mode --cols ${AB_COLS:-32,64,128,256,512,1024}
+    done
   done
 }
 has ab && ab_stage ab ab_bwd
+# This build under each KNOB_VALUES of the knob KNOB_NAME: the backward at AB_COLS of
+# AB_OPS, each of AB_DTYPES, to $OUT/knobab.txt.
+if has knobab; then
+  for dt in ${AB_DTYPES:-bf16 f32}; do
+    for v in ${KNOB_VALUES:-0 1}; do
+      echo "== $KNOB_NAME=$v $dt"
+      env "$KNOB_NAME=$v" timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda \
+        --op ${AB_OPS:-layer_norm,rms_norm} --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
+    done
+  done > "$OUT/knobab.txt" 2>&1
+  grep -E "^== |^[a-z_]+ bwd " "$OUT/knobab.txt" | tee -a "$LOG"
+  stage_done knobab
+fi
 # The old build, then the new one under each JAX_OPS_NORM_BWD_ROWS_BULK_STAGES of
 # AB_STAGES: the backward at AB_COLS (AB_DTYPES), the forward at FWD_COLS (bf16).
 ab_knob() {

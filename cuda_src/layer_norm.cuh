@@ -439,6 +439,35 @@ __device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], 
                                                        const FwdArgs& a) {
   constexpr int PACK = sizeof(PackT::v) / sizeof(PackT::v[0]);
   const float inv_n = 1.f / float(a.cols);
+  if (!a.rms && int64_t(WIDTH) * VPT * PACK == a.cols) {
+    // Every lane holds VPT * PACK values: each lane's exact two-pass (mean, M2), then
+    // Chan's merge of equal halves over the group, one shuffle chain instead of two (the
+    // merge is symmetric in its halves, so every lane ends with the same bits).
+    constexpr float kLocal = float(VPT * PACK);
+    float s = 0.f;
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) s += valid_row ? to_float(raw[v].v[k]) : 0.f;
+    float mean = s * (1.f / kLocal), m2 = 0.f;
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const float d = valid_row ? to_float(raw[v].v[k]) - mean : 0.f;
+        m2 += d * d;
+      }
+    float n = kLocal;
+#pragma unroll
+    for (int off = WIDTH / 2; off > 0; off /= 2) {
+      const float om = __shfl_xor_sync(0xffffffffu, mean, off), oq = __shfl_xor_sync(0xffffffffu, m2, off);
+      const float d = om - mean;
+      mean = 0.5f * (mean + om);
+      m2 = (m2 + oq) + d * d * (0.5f * n);
+      n *= 2.f;
+    }
+    return RowStats{mean, rsqrt_f32(m2 * inv_n + a.eps)};
+  }
   float mean = 0.f;
   if (!a.rms) {
     float s = 0.f;
@@ -834,14 +863,18 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // Rows of up to kRegsMaxCols values, a group of WIDTH lanes a row, ROWS rows a group
 // loaded together; a persistent grid of warps. The scale stays in registers across rows
 // at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
-template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S>
+// PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
+// warp in flight (one pack a lane only: the registers of a second tile).
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH>
 __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
   // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
   // registers of a pack a lane (1024 16-bit columns: 167 -> 218), so it is loaded where stored.
   constexpr bool AHEAD = VPT == 1;
+  static_assert(!PREFETCH || VPT == 1, "a second tile in registers at one pack a lane only");
   using PackT = Pack<T, PACK>;
+  using AheadT = typename S::template Ahead<PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
   const T* x = static_cast<const T*>(a.x);
@@ -859,33 +892,55 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
       load_param<P, PACK>(a.scale, int64_t(v * WIDTH + glane) * PACK, 1.f, s);
     }
   };
-  for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
-       tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
-    // x and dy are loaded in their storage type (half the registers of float).
+  // A tile's rows of the group: x and dy in their storage type (half the registers of
+  // float), add+norm's dh (AHEAD), the row statistics; nothing past the last row.
+  struct Tile {
     PackT rx[ROWS][VPT], rd[ROWS][VPT];
-    typename S::template Ahead<PACK> ahead[ROWS][VPT];  // add+norm's dh, with the row (AHEAD)
+    AheadT ahead[ROWS][VPT];
     float mean[ROWS], rstd[ROWS];
+  };
+  const auto load_tile = [&](int64_t tile, Tile& t) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
       const bool valid = row < a.rows;
-      mean[r] = (valid && !a.rms) ? a.mean[row] : 0.f;
-      rstd[r] = valid ? a.rstd[row] : 0.f;
+      t.mean[r] = (valid && !a.rms) ? a.mean[row] : 0.f;
+      t.rstd[r] = valid ? a.rstd[row] : 0.f;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (valid && col < a.cols) {
-          rx[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
-          rd[r][v] = *reinterpret_cast<const PackT*>(dy + row * a.cols + col);
-          if (AHEAD) ahead[r][v] = store.template load_ahead<PACK>(row * a.cols + col);
+          t.rx[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
+          t.rd[r][v] = *reinterpret_cast<const PackT*>(dy + row * a.cols + col);
+          if (AHEAD) t.ahead[r][v] = store.template load_ahead<PACK>(row * a.cols + col);
         }
       }
     }
+  };
+  const auto reduce_tile = [&](int64_t tile, const Tile& t) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      bwd_group_row<T, PACK, VPT, WIDTH, AHEAD>(a, store, row, row < a.rows, glane, mean[r], rstd[r], rx[r], rd[r],
-                                                ahead[r], scale_of, ds, db);
+      bwd_group_row<T, PACK, VPT, WIDTH, AHEAD>(a, store, row, row < a.rows, glane, t.mean[r], t.rstd[r], t.rx[r],
+                                                t.rd[r], t.ahead[r], scale_of, ds, db);
+    }
+  };
+  int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+  if constexpr (PREFETCH) {
+    Tile cur;
+    if (tile * ROWS_PER_WARP < a.rows) load_tile(tile, cur);
+    for (; tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+      Tile next;
+      const int64_t next_tile = tile + warps_total;
+      if (next_tile * ROWS_PER_WARP < a.rows) load_tile(next_tile, next);
+      reduce_tile(tile, cur);
+      cur = next;
+    }
+  } else {
+    for (; tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+      Tile t;
+      load_tile(tile, t);
+      reduce_tile(tile, t);
     }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
@@ -1752,8 +1807,8 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
   return true;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
-cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH>
+cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
   // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
   if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2 && std::is_same_v<S, StoreDx<T>>) {
@@ -1764,7 +1819,7 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
   // other, docs/perf-notes.md).
   constexpr int ROWS = WIDTH < 32 ? 2 : 1;
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
-  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S>;
+  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH>;
   const bool partials = wants_param_grads(a);
   const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
   cudaError_t err;
@@ -1790,6 +1845,16 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
     kernel<<<unsigned(parts), kRegsThreads, smem, stream>>>(a, ds, db);
     return cudaGetLastError();
   });
+}
+
+// At one pack a lane the next tile is prefetched (knob JAX_OPS_NORM_BWD_REGS_PREFETCH, 0 = off).
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  if constexpr (VPT == 1) {
+    static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
+    if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true>(a, stream, plan);
+  }
+  return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }
 
 template <typename T, typename P, int PACK, typename S>
