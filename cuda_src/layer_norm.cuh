@@ -439,35 +439,6 @@ __device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], 
                                                        const FwdArgs& a) {
   constexpr int PACK = sizeof(PackT::v) / sizeof(PackT::v[0]);
   const float inv_n = 1.f / float(a.cols);
-  if (!a.rms && int64_t(WIDTH) * VPT * PACK == a.cols) {
-    // Every lane holds VPT * PACK values: each lane's exact two-pass (mean, M2), then
-    // Chan's merge of equal halves over the group, one shuffle chain instead of two (the
-    // merge is symmetric in its halves, so every lane ends with the same bits).
-    constexpr float kLocal = float(VPT * PACK);
-    float s = 0.f;
-#pragma unroll
-    for (int v = 0; v < VPT; ++v)
-#pragma unroll
-      for (int k = 0; k < PACK; ++k) s += valid_row ? to_float(raw[v].v[k]) : 0.f;
-    float mean = s * (1.f / kLocal), m2 = 0.f;
-#pragma unroll
-    for (int v = 0; v < VPT; ++v)
-#pragma unroll
-      for (int k = 0; k < PACK; ++k) {
-        const float d = valid_row ? to_float(raw[v].v[k]) - mean : 0.f;
-        m2 += d * d;
-      }
-    float n = kLocal;
-#pragma unroll
-    for (int off = WIDTH / 2; off > 0; off /= 2) {
-      const float om = __shfl_xor_sync(0xffffffffu, mean, off), oq = __shfl_xor_sync(0xffffffffu, m2, off);
-      const float d = om - mean;
-      mean = 0.5f * (mean + om);
-      m2 = (m2 + oq) + d * d * (0.5f * n);
-      n *= 2.f;
-    }
-    return RowStats{mean, rsqrt_f32(m2 * inv_n + a.eps)};
-  }
   float mean = 0.f;
   if (!a.rms) {
     float s = 0.f;
@@ -1847,10 +1818,13 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
   });
 }
 
-// At one pack a lane the next tile is prefetched (knob JAX_OPS_NORM_BWD_REGS_PREFETCH, 0 = off).
+// The next tile is prefetched at one 16-bit pack a lane of 32 lanes, one row a group
+// (256 columns; H100 bf16 backward 1.01-1.03x, LayerNorm 33.3 -> 32.4 µs); with two
+// rows a group (narrower rows) it measured up to 1.10x slower, float32 0.97-1.00x (knob
+// JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  if constexpr (VPT == 1) {
+  if constexpr (VPT == 1 && WIDTH == 32 && sizeof(T) == 2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
     if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true>(a, stream, plan);
   }
