@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
           load_param<P, PACK>(a.bias, col, 0.f, bi);
         }
 #pragma unroll
-        for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(raw[r][v].v[k]), st, sc[k], bi[k]);
+        for (int k = 0; k < PACK; ++k) out[k] = norm_out_as<T>(to_float(raw[r][v].v[k]), st, sc[k], bi[k]);
         store_pack<T, PACK>(y + row * a.cols + col, out);
       }
       if (glane == 0 && a.rstd != nullptr) {
@@ -791,7 +791,7 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 #pragma unroll
     for (int k = 0; k < PACK; ++k) {
       const int i = v * PACK + k;
-      const float d = to_float(rd[v].v[k]), xhv = (to_float(rx[v].v[k]) - mean) * rstd, gv = d * sc[k];
+      const float d = to_float(rd[v].v[k]), xhv = norm_xhat<T>(to_float(rx[v].v[k]), mean, rstd), gv = d * sc[k];
       sum_g += gv;
       sum_gx += gv * xhv;
       if constexpr (KEEP) {
@@ -818,7 +818,7 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
       if constexpr (KEEP) {
         out[k] = norm_dx(g[i], xh[i], rstd, mg, mgx);
       } else {
-        const float d = to_float(rd[v].v[k]), xhv = (to_float(rx[v].v[k]) - mean) * rstd;
+        const float d = to_float(rd[v].v[k]), xhv = norm_xhat<T>(to_float(rx[v].v[k]), mean, rstd);
         out[k] = norm_dx(d * sc[k], xhv, rstd, mg, mgx);
         ds[i] += d * xhv;
         db[i] += d;

@@ -84,12 +84,31 @@ JO_HD float norm_out(float x, RowStats s, float scale, float bias) {
   return (x - s.mean) * s.rstd * scale + bias;
 }
 
+// xhat = (x - mean) * rstd. For 16-bit x as x * rstd - mean * rstd: the product of the
+// row's constants is formed once, then one FMA a value (the kernels are issue-bound at
+// narrow rows). Its rounding, |mean| * rstd * 2^-24, is 2^-16 (bfloat16) or 2^-13
+// (float16) of the input's own, |x| * rstd * 2^-8 or 2^-11; float32 x keeps the exact form.
+template <typename T>
+JO_HD float norm_xhat(float x, float mean, float rstd) {
+  if constexpr (sizeof(T) == 2) return x * rstd - mean * rstd;
+  else return (x - mean) * rstd;
+}
+
+// y for 16-bit x: norm_xhat's form, two FMAs a value.
+template <typename T>
+JO_HD float norm_out_as(float x, RowStats s, float scale, float bias) {
+  if constexpr (sizeof(T) == 2) return norm_xhat<T>(x, s.mean, s.rstd) * scale + bias;
+  else return norm_out(x, s, scale, bias);
+}
+
 // Backward per element, with g = dy * scale, xhat = (x - mean) * rstd and row
 // sums sum_g = Σ g, sum_gxhat = Σ g·xhat over the n columns:
 //   LayerNorm: dx = rstd · (g − sum_g/n − xhat · sum_gxhat/n)
 //   RMSNorm:   dx = rstd · (g − xhat · sum_gxhat/n)
+// Written as g·rstd − rstd·sum_g/n − xhat·(rstd·sum_gxhat/n): the two products of
+// the row's constants are formed once, then two FMAs a value (three before).
 JO_HD float norm_dx(float g, float xhat, float rstd, float mean_g, float mean_gxhat) {
-  return rstd * (g - mean_g - xhat * mean_gxhat);
+  return g * rstd - rstd * mean_g - xhat * (rstd * mean_gxhat);
 }
 
 // add+norm: h = x + residual, rounded once to the storage type (what `x + residual`
