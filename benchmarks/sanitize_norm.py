@@ -1,5 +1,6 @@
 """Runs our LayerNorm/RMSNorm kernels (IMPL=cuda, the default, or IMPL=pallas) on boundary
-shapes; meant to run under compute-sanitizer (memcheck/racecheck) on the GPU. Compares
+shapes, and add+norm's with OPS (environment, a comma list of ln, rms, add_ln, add_rms;
+default ln,rms); meant to run under compute-sanitizer (memcheck/racecheck) on the GPU. Compares
 with the xla implementation. ROWS (environment) overrides the rows: more rows than the
 GPU runs blocks at once make the sm_90 bulk tiers refill their stages."""
 import os
@@ -16,6 +17,11 @@ COLS = [int(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [
 
 
 def run(impl, op, x, s, b, dy):
+    if op.startswith("add_"):  # residual = dy, h's cotangent = x: both cotangents reach dx
+        f = (lambda x, s, b: jax_ops.add_layer_norm(x, dy, s, b, implementation=impl)) if op == "add_ln" else \
+            (lambda x, s, b: jax_ops.add_rms_norm(x, dy, s, implementation=impl))
+        (y, h), vjp = jax.vjp(f, x, s, b)
+        return [np.asarray(t, np.float64) for t in (y, *vjp((dy, x))) if t is not None]
     f = (lambda x, s, b: jax_ops.layer_norm(x, s, b, implementation=impl)) if op == "ln" else \
         (lambda x, s, b: jax_ops.rms_norm(x, s, implementation=impl))
     y, vjp = jax.vjp(f, x, s, b)
@@ -29,7 +35,7 @@ if IMPL == "pallas":
 worst = 0.0
 for cols in COLS:
     for dtype in (jnp.float32, jnp.bfloat16):
-        for op in ("ln", "rms"):
+        for op in os.environ.get("OPS", "ln,rms").split(","):
             rows = int(os.environ.get("ROWS", 3 if cols > 8192 else 17))
             k = jax.random.split(jax.random.key(cols), 4)
             x = (jax.random.normal(k[0], (rows, cols)) * 2 + 1).astype(dtype)

@@ -843,7 +843,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
   // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
   // registers of a pack a lane (1024 16-bit columns: 167 -> 218), so it is loaded where stored.
   constexpr bool AHEAD = VPT == 1;
-  static_assert(!PREFETCH || VPT <= 2, "a second tile in registers at one or two packs a lane only");
+  static_assert(!PREFETCH || VPT == 1, "a second tile in registers at one pack a lane only");
   using PackT = Pack<T, PACK>;
   using AheadT = typename S::template Ahead<PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
@@ -1819,14 +1819,15 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
 }
 
 // The next tile is prefetched at one 16-bit pack a lane of 32 lanes, one row a group
-// (256 columns; H100 bf16 backward 1.01-1.03x, LayerNorm 33.3 -> 32.4 µs); with two
-// rows a group (narrower rows) it measured up to 1.10x slower, float32 0.97-1.00x (knob
+// (256 columns; H100 bf16 backward 1.01-1.03x, LayerNorm 33.3 -> 32.4 µs). It measured
+// slower elsewhere: two rows a group (narrower rows) up to 1.10x, two packs a lane (384-512
+// columns, 118 registers) 1.03-1.06x, float32 0.97-1.00x (knob
 // JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  if constexpr (VPT <= 2 && WIDTH == 32 && sizeof(T) == 2) {
+  if constexpr (VPT == 1 && WIDTH == 32 && sizeof(T) == 2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
-    if (prefetch >= VPT) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true>(a, stream, plan);
+    if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true>(a, stream, plan);
   }
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }
