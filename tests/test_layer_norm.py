@@ -308,8 +308,8 @@ MANY_LONG_ROWS = [((300, 8200), "bfloat16"), ((263, 16384), "bfloat16"), ((97, 2
 # of 256+ columns staged by chunks of consecutive rows (bwd_rows_bulk_kernel): more chunks
 # than an H100's resident blocks times the stages (every stage is refilled and its
 # barrier's phase flips), and a last chunk partly past the end. The 16-bit register kernel
-# at 129-256 columns loads a warp's next tile ahead: many tiles, and one or three rows
-# (no warp has a next tile).
+# at 136-256 columns (17-32 packs of 8) loads a warp's next tile ahead: many tiles, and
+# one or three rows (no warp has a next tile).
 MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30011, 256), "float16"),
                     ((15001, 512), "bfloat16"), ((4001, 1024), "float32"), ((60001, 64), "float32"),
                     ((20011, 256), "float32"), ((3, 256), "bfloat16"), ((1, 200), "float16")]
