@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# One device call (twelfth session, issue 20): the group tier's backward at 32-1024
-# columns (bwd_rows_bulk_kernel, bwd_group_row) and the cluster forward's parameters.
+# One device call (twelfth and thirteenth sessions, issue 20): the group tier's backward
+# at 32-1024 columns (bwd_rows_bulk_kernel, bwd_group_row, the column sums) and the
+# cluster forward's parameters.
 # Stages: fulltests (the norm test files); quicktests (TEST_K of test_layer_norm.py);
-# sanitize (memcheck / synccheck at SAN_COLS, SAN_ROWS rows; racecheck at RACE_COLS); ab
-# (the backward of .carry/_ffi_old.so.gz, the previous build, against this one, same run,
-# at AB_COLS, each of AB_MODES: bwd unless named); knobab (this build under each
-# KNOB_VALUES of KNOB_NAME, the backward at AB_COLS); abknob (the same under each AB_STAGES, with the forward); knobs (stages a
-# block); rowsknob (rows a group of the 16-bit register backward:
+# sanitize (memcheck / synccheck at SAN_COLS, SAN_ROWS rows; racecheck at RACE_COLS; OPS
+# as sanitize_norm.py takes it); ab (.carry/_ffi_old.so.gz, the previous build, against
+# this one, same run, at AB_COLS, each of AB_MODES: bwd unless named); knobab (this build
+# under each KNOB_VALUES of KNOB_NAME, the backward at AB_COLS); abknob (the same under
+# each AB_STAGES, with the forward); knobs (stages a block); rowsknob (rows a group of the 16-bit register backward:
 # JAX_OPS_NORM_BWD_REGS_ROWS existed in run 5's build only); breakdown (per-kernel times at
 # BD_COLS); sweep (fwd / bwd / step / fwd_bwd, auto / cuda / flax at SWEEP_COLS); psmem
 # (the cluster forward's parameters in shared memory); sweepf32; workspace.
