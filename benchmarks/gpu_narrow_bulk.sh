@@ -6,9 +6,11 @@
 # sanitize (memcheck / synccheck at SAN_COLS, SAN_ROWS rows; racecheck at RACE_COLS; OPS
 # as sanitize_norm.py takes it); ab (.carry/_ffi_old.so.gz, the previous build, against
 # this one, same run, at AB_COLS, each of AB_MODES: bwd unless named); knobab (this build
-# under each KNOB_VALUES of KNOB_NAME, the backward at AB_COLS); abknob (the same under
-# each AB_STAGES, with the forward); knobs (stages a block); rowsknob (rows a group of the 16-bit register backward:
-# JAX_OPS_NORM_BWD_REGS_ROWS existed in run 5's build only); breakdown (per-kernel times at
+# under each KNOB_VALUES of KNOB_NAME, the backward at AB_COLS, each of AB_DTYPES; the
+# thirteenth session's runs 2, 6 and 8 wrote one knobab.txt at 5 repeats);
+# abknob (the same under each AB_STAGES, with the forward); knobs (stages a block);
+# rowsknob (rows a group of the 16-bit register backward: JAX_OPS_NORM_BWD_REGS_ROWS
+# existed in run 5's build only); breakdown (per-kernel times at
 # BD_COLS); sweep (fwd / bwd / step / fwd_bwd, auto / cuda / flax at SWEEP_COLS); psmem
 # (the cluster forward's parameters in shared memory); sweepf32; workspace.
 # Usage: bash benchmarks/gpu_narrow_bulk.sh [stages]
@@ -45,17 +47,12 @@ ab_bwd() {
 }
 has ab && ab_stage ab ab_bwd
 # This build under each KNOB_VALUES of the knob KNOB_NAME: the backward at AB_COLS of
-# AB_OPS, each of AB_DTYPES, to $OUT/knobab.txt.
+# AB_OPS, to $OUT/knobab_DTYPE.txt for each of AB_DTYPES.
 if has knobab; then
   for dt in ${AB_DTYPES:-bf16 f32}; do
-    for v in ${KNOB_VALUES:-0 1}; do
-      echo "== $KNOB_NAME=$v $dt"
-      env "$KNOB_NAME=$v" timeout 150 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda \
-        --op ${AB_OPS:-layer_norm,rms_norm} --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
-    done
-  done > "$OUT/knobab.txt" 2>&1
-  grep -E "^== |^[a-z_]+ bwd " "$OUT/knobab.txt" | tee -a "$LOG"
-  stage_done knobab
+    KNOB_DTYPE=$dt knob_sweep knobab_$dt "$KNOB_NAME" "${KNOB_VALUES:-0 1}" --op ${AB_OPS:-layer_norm,rms_norm} \
+      --mode bwd --cols ${AB_COLS:-32,64,128,256,512,1024}
+  done
 fi
 # The old build, then the new one under each JAX_OPS_NORM_BWD_ROWS_BULK_STAGES of
 # AB_STAGES: the backward at AB_COLS (AB_DTYPES), the forward at FWD_COLS (bf16).

@@ -12,14 +12,14 @@ norm_tests() {
   tail -2 "$OUT/tests.txt" | tee -a "$LOG"
   stage_done tests
 }
-# One cuda bf16 benchmark per value of a knob, to $OUT/NAME.txt and the log:
-# knob_sweep NAME KNOB "VALUES" BENCH-ARGS...
+# One cuda benchmark (dtype KNOB_DTYPE, default bf16) per value of a knob, to
+# $OUT/NAME.txt and the log: knob_sweep NAME KNOB "VALUES" BENCH-ARGS...
 knob_sweep() {
   local name=$1 knob=$2 values=$3 v
   shift 3
   for v in $values; do
     echo "== $knob=$v"
-    env "$knob=$v" timeout 80 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda "$@"
+    env "$knob=$v" timeout 80 python3 -m jax_ops.bench --repeats 3 --dtype ${KNOB_DTYPE:-bf16} --impl cuda "$@"
   done > "$OUT/$name.txt" 2>&1
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"

@@ -85,9 +85,10 @@ JO_HD float norm_out(float x, RowStats s, float scale, float bias) {
 }
 
 // xhat = (x - mean) * rstd. For 16-bit x as x * rstd - mean * rstd: the product of the
-// row's constants is formed once, then one FMA a value (the kernels are issue-bound at
-// narrow rows). Its rounding, |mean| * rstd * 2^-24, is 2^-16 (bfloat16) or 2^-13
-// (float16) of the input's own, |x| * rstd * 2^-8 or 2^-11; float32 x keeps the exact form.
+// row's constants is formed once, then one FMA a value (one instruction of the ~15 a
+// value of the narrow rows' group tier). Its rounding, |mean| * rstd * 2^-24, is 2^-16
+// (bfloat16) or 2^-13 (float16) of the input's own, |x| * rstd * 2^-8 or 2^-11; float32 x
+// keeps the exact form.
 template <typename T>
 JO_HD float norm_xhat(float x, float mean, float rstd) {
   if constexpr (sizeof(T) == 2) return x * rstd - mean * rstd;
