@@ -6,12 +6,15 @@ elements) and the time of value_and_grad under jit against one GPU:
 
   * step: a training step's time, dispatched as a model trains: 10 steps queued, then one
     block_until_ready; median over `--repeats` such runs of the time per step (>= 5x10);
-  * graph: 10 steps in one jitted program (each step's inputs chained to the previous
-    step's outputs by an optimization barrier, so XLA can neither merge nor overlap
-    them), one call, median over `--repeats`, per step: the devices' time for the step,
-    collectives included, without the host's per-call dispatch and the per-execution
-    rendezvous of a multi-device launch (which made `step` vary by up to 1.8x between
-    two runs of the same commit on 2 x H100);
+  * graph: 10 and 20 steps in one jitted program each (each step's inputs chained to
+    the previous step's outputs by an optimization barrier, so XLA can neither merge nor
+    overlap them), one call, median over `--repeats`; per step, the slope between the
+    two: the devices' time for a step, collectives included, without what a call costs
+    once (the host's dispatch, the per-execution rendezvous of a multi-device launch,
+    which made `step` vary by up to 1.8x between two runs of the same commit on
+    2 x H100; on 2 x H200 about 1 ms a call, against 0.7 ms on one GPU). That fixed cost
+    is printed too, and "10 a call": the 10-step call / 10 (the metric before
+    2026-11-26, which spread the fixed cost over the 10 steps);
   * call: one call, dispatched and waited for (what issue 7's and the first issue-23 run
     measured: host dispatch and the multi-device launch included in every call);
   * kernels: CUPTI, the sum of the kernel times of one call over all devices, divided by
@@ -137,8 +140,8 @@ def step_ms(fn, args, repeats: int, steps: int = 10) -> float:
     return statistics.median(times) * 1e3
 
 
-def graph_ms(fn, args, repeats: int, steps: int = 10) -> float:
-    """Per step, `steps` chained steps in one jitted program, median of `repeats`."""
+def _chained_ms(fn, args, repeats: int, steps: int) -> float:
+    """ms of one call of a jitted program of `steps` chained steps, median of `repeats`."""
     def run(*a):  # every step's results are returned: none can be dropped as dead code
         outs = []
         for _ in range(steps):
@@ -146,7 +149,17 @@ def graph_ms(fn, args, repeats: int, steps: int = 10) -> float:
                 a, _ = jax.lax.optimization_barrier((a, outs[-1]))
             outs.append(fn(*a))
         return outs
-    return bench.measure(jax.jit(run), *args, repeats=repeats, timer="wall", jit=False) / 1e3 / steps
+    return bench.measure(jax.jit(run), *args, repeats=repeats, timer="wall", jit=False) / 1e3
+
+
+def graph_ms(fn, args, repeats: int, steps: int = 10) -> tuple[float, float, float]:
+    """(per step: the slope between programs of `steps` and 2·`steps` chained steps,
+    which leaves out what a call costs once however many steps it holds; the call's
+    fixed cost, ms; per step of the `steps` program with that cost spread over it)."""
+    t1 = _chained_ms(fn, args, repeats, steps)
+    t2 = _chained_ms(fn, args, repeats, 2 * steps)
+    per_step = (t2 - t1) / steps
+    return per_step, t1 - steps * per_step, t1 / steps
 
 
 def kernel_ms(fn, args, devices: int) -> tuple[float | None, float | None, list]:
@@ -180,7 +193,7 @@ def main():
     rows = []
     print(f"# {nd} x {devices[0].device_kind}, jax {jax.__version__}, commit {bench.git_commit()}")
     print("# ms per value_and_grad: step (10 queued, median of "
-          f"{args.repeats}), graph (10 chained in one program), call (dispatched and waited "
+          f"{args.repeats}), graph (per step: slope of 10 and 20 chained in one program), call (dispatched and waited "
           "for), kernels (CUPTI sum / devices)")
     only = set(args.only.split(",")) if args.only else None
     for name, loss, shape, params, batch_spec, hidden_spec, pspec in cases(args.small):
@@ -194,7 +207,7 @@ def main():
         ref_args = [jax.device_put(a, one) for a in (x, ct, *params)]
         ref = vg(*ref_args)
         t1_step, t1_call = step_ms(vg, ref_args, args.repeats), call_ms(vg, ref_args, args.repeats)
-        t1_graph = graph_ms(vg, ref_args, args.repeats)
+        t1_graph, t1_fixed, t1_graph10 = graph_ms(vg, ref_args, args.repeats)
         k1, _, top1 = kernel_ms(vg, ref_args, 1)
         for what, spec in (("batch", batch_spec), ("hidden", hidden_spec)):
             def param_spec(p):
@@ -211,7 +224,7 @@ def main():
             colls = collectives(vg.lower(*placed).compile().as_text())
             biggest = max((n for _, n in colls), default=0)
             t_step, t_call = step_ms(vg, placed, args.repeats), call_ms(vg, placed, args.repeats)
-            t_graph = graph_ms(vg, placed, args.repeats)
+            t_graph, t_fixed, t_graph10 = graph_ms(vg, placed, args.repeats)
             k, nccl, top = kernel_ms(vg, placed, nd)
             row = dict(op=name, shape=list(shape), dtype="bfloat16", sharded=what,
                        max_rel_err=max(errs), collectives=colls,
@@ -220,6 +233,9 @@ def main():
                        call_ms_one_gpu=t1_call, call_ms_sharded=t_call,
                        call_speedup=t1_call / t_call, graph_ms_one_gpu=t1_graph,
                        graph_ms_sharded=t_graph, graph_speedup=t1_graph / t_graph,
+                       call_fixed_ms_one_gpu=t1_fixed, call_fixed_ms_sharded=t_fixed,
+                       graph10_ms_one_gpu=t1_graph10, graph10_ms_sharded=t_graph10,
+                       graph10_speedup=t1_graph10 / t_graph10,
                        kernel_ms_one_gpu=k1,
                        kernel_ms_per_device=k, nccl_share=nccl,
                        kernel_speedup=(k1 / k) if k and k1 else None,
@@ -231,7 +247,8 @@ def main():
             print(f"{name:19s} {what:6s} err {max(errs):.1e} {kinds} largest {biggest} "
                   f"(shard {x.size // nd}) | step {t1_step:6.3f} -> {t_step:6.3f} "
                   f"x{t1_step / t_step:.2f} | graph {t1_graph:6.3f} -> {t_graph:6.3f} "
-                  f"x{t1_graph / t_graph:.2f} | call x{t1_call / t_call:.2f} | {kern}", flush=True)
+                  f"x{t1_graph / t_graph:.2f} (fixed {t1_fixed:.2f} / {t_fixed:.2f} ms a call; 10 a call "
+                  f"x{t1_graph10 / t_graph10:.2f}) | call x{t1_call / t_call:.2f} | {kern}", flush=True)
     if args.out:
         meta = dict(devices=nd, device_kind=devices[0].device_kind,
                     jax=jax.__version__, commit=bench.git_commit(),

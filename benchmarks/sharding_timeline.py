@@ -1,0 +1,154 @@
+"""Where a sharded step's time goes (issue 23): the per-device GPU timeline of
+sharding_gpu.py's "graph" program (10 chained value_and_grad steps in one jitted call)
+for chosen cases, one GPU and sharded.
+
+Per device, from a profiler trace of one call: the span per step (first kernel start to
+last kernel end / steps), the compute kernels' busy time (NCCL's kernels apart: they run
+on their own stream and mostly wait), idle = span − busy, the largest idle gaps with the
+kernels on either side, and the mean time of each kernel name per step. With --hlo, the
+sharded program's compiled HLO text is written too (the schedule XLA chose: where the
+async collectives start and end).
+
+  python benchmarks/sharding_timeline.py --only layer_norm --sharded hidden --out t.json
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sharding_gpu  # noqa: E402  (the cases and the graph program)
+
+
+def graph_program(fn, steps: int):
+    """sharding_gpu.graph_ms's program: `steps` chained steps, every result returned."""
+    def run(*a):
+        outs = []
+        for _ in range(steps):
+            if outs:
+                a, _ = jax.lax.optimization_barrier((a, outs[-1]))
+            outs.append(fn(*a))
+        return outs
+    return jax.jit(run)
+
+
+def device_events(run, args) -> dict[str, list]:
+    """{device plane name: sorted (start ns, end ns, kernel name)} of one call of run(*args)."""
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            jax.block_until_ready(run(*args))
+        finally:
+            jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
+        data = jax.profiler.ProfileData.from_file(path)
+    out: dict[str, list] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        evs = out.setdefault(plane.name, [])
+        for line in plane.lines:
+            if "memcpy" in line.name.lower():
+                continue
+            evs.extend((ev.start_ns, ev.end_ns, ev.name) for ev in line.events)
+        evs.sort()
+    return out
+
+
+def summary(events, steps: int, top: int) -> dict:
+    if not events:
+        return {}
+    nccl = [e for e in events if "nccl" in e[2].lower()]
+    comp = [e for e in events if "nccl" not in e[2].lower()]
+    span = max(e for _, e, _ in events) - min(s for s, _, _ in events)
+    busy, gaps, last_end = 0.0, [], comp[0][0] if comp else 0
+    for i, (s, e, name) in enumerate(comp):
+        if s > last_end:
+            gaps.append((s - last_end, comp[i - 1][2][:70] if i else "", name[:70]))
+        busy += max(0.0, e - max(s, last_end))
+        last_end = max(last_end, e)
+    gaps.sort(reverse=True)
+    per_name: dict[str, float] = {}
+    for s, e, name in events:
+        per_name[name[:70]] = per_name.get(name[:70], 0.0) + (e - s) / steps / 1e3
+    return {"span_us_per_step": span / steps / 1e3,
+            "compute_busy_us_per_step": busy / steps / 1e3,
+            "compute_idle_us_per_step": (span - busy) / steps / 1e3,
+            "compute_kernels_per_step": len(comp) / steps,
+            "nccl_us_per_step": sum(e - s for s, e, _ in nccl) / steps / 1e3,
+            "gaps_over_3us_per_step": sum(1 for g in gaps if g[0] > 3e3) / steps,
+            "idle_in_gaps_over_3us_per_step": sum(g[0] for g in gaps if g[0] > 3e3) / steps / 1e3,
+            "largest_gaps": [dict(us=g / 1e3, after=a, before=b) for g, a, b in gaps[:top]],
+            "us_per_step_by_kernel": dict(sorted(per_name.items(), key=lambda kv: -kv[1]))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="layer_norm")
+    ap.add_argument("--sharded", default="hidden", choices=("batch", "hidden"))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--hlo", help="write the sharded program's compiled HLO here")
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("d",), devices=devices)
+    only = set(args.only.split(","))
+    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "devices": len(devices),
+           "device_kind": devices[0].device_kind, "jax": jax.__version__, "cases": {}}
+    for name, loss, shape, params, batch_spec, hidden_spec, pspec in sharding_gpu.cases(args.small):
+        if name not in only:
+            continue
+        spec = hidden_spec if args.sharded == "hidden" else batch_spec
+        x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+        ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(jnp.bfloat16)
+        grads = (0, *(2 + i for i, p in enumerate(params) if jnp.issubdtype(p.dtype, jnp.floating)))
+        vg = jax.value_and_grad(loss, argnums=grads)
+
+        def param_spec(p):
+            if pspec == "x" and p.shape == shape:
+                return spec
+            if pspec == "rows" and p.ndim == 1 and p.shape[0] == shape[0]:
+                return P(*spec[:1])
+            return P()
+        one = [jax.device_put(a, devices[0]) for a in (x, ct, *params)]
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)), jax.device_put(ct, NamedSharding(mesh, spec)),
+                  *[jax.device_put(p, NamedSharding(mesh, param_spec(p))) for p in params]]
+        case = {}
+        for label, a in (("one_gpu", one), ("sharded", placed)):
+            prog = graph_program(vg, args.steps)
+            ms = sharding_gpu.graph_ms(vg, a, args.repeats, args.steps)[0]
+            evs = device_events(prog, a)
+            case[label] = {"graph_ms": ms, "devices": {dev: summary(e, args.steps, args.top)
+                                                       for dev, e in evs.items() if e}}
+            if label == "sharded" and args.hlo:
+                with open(f"{args.hlo}.{name}.txt", "w") as f:
+                    f.write(jax.jit(vg).lower(*a).compile().as_text())
+        case["graph_speedup"] = case["one_gpu"]["graph_ms"] / case["sharded"]["graph_ms"]
+        res["cases"][name] = case
+        for label in ("one_gpu", "sharded"):
+            for dev, s in case[label]["devices"].items():
+                print(f"{name:16s} {label:8s} {dev[-5:]} graph {case[label]['graph_ms']:.3f} ms | span "
+                      f"{s['span_us_per_step']:6.1f} busy {s['compute_busy_us_per_step']:6.1f} idle "
+                      f"{s['compute_idle_us_per_step']:5.1f} us/step ({s['compute_kernels_per_step']:.0f} kernels, "
+                      f"gaps>3us {s['gaps_over_3us_per_step']:.1f} = {s['idle_in_gaps_over_3us_per_step']:.1f} us) "
+                      f"nccl {s['nccl_us_per_step']:.1f}", flush=True)
+        print(f"{name:16s} speedup x{case['graph_speedup']:.2f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
