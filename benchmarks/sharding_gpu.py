@@ -116,6 +116,28 @@ def cases(small: bool):
     ]
 
 
+def case_inputs(loss, shape, params):
+    """(x, ct, value_and_grad of loss over x and the floating params) of a case."""
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+    ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(jnp.bfloat16)
+    grads = (0, *(2 + i for i, p in enumerate(params) if jnp.issubdtype(p.dtype, jnp.floating)))
+    return x, ct, jax.value_and_grad(loss, argnums=grads)
+
+
+def place(mesh, spec, pspec, shape, x, ct, params) -> list:
+    """x and ct sharded by `spec`, each param as the case's `pspec` says ("x": like x
+    where it has x's shape; "rows": a per-row vector along spec's first axis), else
+    replicated."""
+    def param_spec(p):
+        if pspec == "x" and p.shape == shape:
+            return spec
+        if pspec == "rows" and p.ndim == 1 and p.shape[0] == shape[0]:
+            return P(*spec[:1])
+        return P()
+    return [jax.device_put(x, NamedSharding(mesh, spec)), jax.device_put(ct, NamedSharding(mesh, spec)),
+            *[jax.device_put(p, NamedSharding(mesh, param_spec(p))) for p in params]]
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -140,16 +162,22 @@ def step_ms(fn, args, repeats: int, steps: int = 10) -> float:
     return statistics.median(times) * 1e3
 
 
-def _chained_ms(fn, args, repeats: int, steps: int) -> float:
-    """ms of one call of a jitted program of `steps` chained steps, median of `repeats`."""
-    def run(*a):  # every step's results are returned: none can be dropped as dead code
+def chained_program(fn, steps: int):
+    """A jitted program of `steps` chained steps of fn, every step's results returned
+    (none can be dropped as dead code)."""
+    def run(*a):
         outs = []
         for _ in range(steps):
             if outs:
                 a, _ = jax.lax.optimization_barrier((a, outs[-1]))
             outs.append(fn(*a))
         return outs
-    return bench.measure(jax.jit(run), *args, repeats=repeats, timer="wall", jit=False) / 1e3
+    return jax.jit(run)
+
+
+def _chained_ms(fn, args, repeats: int, steps: int) -> float:
+    """ms of one call of chained_program(fn, steps), median of `repeats`."""
+    return bench.measure(chained_program(fn, steps), *args, repeats=repeats, timer="wall", jit=False) / 1e3
 
 
 def graph_ms(fn, args, repeats: int, steps: int = 10) -> tuple[float, float, float]:
@@ -199,10 +227,8 @@ def main():
     for name, loss, shape, params, batch_spec, hidden_spec, pspec in cases(args.small):
         if only and name not in only:
             continue
-        x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
-        ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(jnp.bfloat16)
-        grads = (0, *(2 + i for i, p in enumerate(params) if jnp.issubdtype(p.dtype, jnp.floating)))
-        vg = jax.jit(jax.value_and_grad(loss, argnums=grads))
+        x, ct, vg = case_inputs(loss, shape, params)
+        vg = jax.jit(vg)
         one = devices[0]
         ref_args = [jax.device_put(a, one) for a in (x, ct, *params)]
         ref = vg(*ref_args)
@@ -210,15 +236,7 @@ def main():
         t1_graph, t1_fixed, t1_graph10 = graph_ms(vg, ref_args, args.repeats)
         k1, _, top1 = kernel_ms(vg, ref_args, 1)
         for what, spec in (("batch", batch_spec), ("hidden", hidden_spec)):
-            def param_spec(p):
-                if pspec == "x" and p.shape == shape:
-                    return spec
-                if pspec == "rows" and p.ndim == 1 and p.shape[0] == shape[0]:
-                    return P(*spec[:1])
-                return P()
-            placed = [jax.device_put(x, NamedSharding(mesh, spec)),
-                      jax.device_put(ct, NamedSharding(mesh, spec)),
-                      *[jax.device_put(p, NamedSharding(mesh, param_spec(p))) for p in params]]
+            placed = place(mesh, spec, pspec, shape, x, ct, params)
             got = vg(*placed)
             errs = [rel_err(g, r) for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
             colls = collectives(vg.lower(*placed).compile().as_text())

@@ -21,23 +21,9 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sharding_gpu  # noqa: E402  (the cases and the graph program)
-
-
-def graph_program(fn, steps: int):
-    """sharding_gpu.graph_ms's program: `steps` chained steps, every result returned."""
-    def run(*a):
-        outs = []
-        for _ in range(steps):
-            if outs:
-                a, _ = jax.lax.optimization_barrier((a, outs[-1]))
-            outs.append(fn(*a))
-        return outs
-    return jax.jit(run)
+import sharding_gpu  # noqa: E402  (the cases, their inputs and the chained program)
 
 
 def device_events(run, args) -> dict[str, list]:
@@ -111,23 +97,12 @@ def main():
         if name not in only:
             continue
         spec = hidden_spec if args.sharded == "hidden" else batch_spec
-        x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
-        ct = jnp.cos(jnp.arange(x.size, dtype=jnp.float32) * 0.37).reshape(shape).astype(jnp.bfloat16)
-        grads = (0, *(2 + i for i, p in enumerate(params) if jnp.issubdtype(p.dtype, jnp.floating)))
-        vg = jax.value_and_grad(loss, argnums=grads)
-
-        def param_spec(p):
-            if pspec == "x" and p.shape == shape:
-                return spec
-            if pspec == "rows" and p.ndim == 1 and p.shape[0] == shape[0]:
-                return P(*spec[:1])
-            return P()
+        x, ct, vg = sharding_gpu.case_inputs(loss, shape, params)
         one = [jax.device_put(a, devices[0]) for a in (x, ct, *params)]
-        placed = [jax.device_put(x, NamedSharding(mesh, spec)), jax.device_put(ct, NamedSharding(mesh, spec)),
-                  *[jax.device_put(p, NamedSharding(mesh, param_spec(p))) for p in params]]
+        placed = sharding_gpu.place(mesh, spec, pspec, shape, x, ct, params)
         case = {}
         for label, a in (("one_gpu", one), ("sharded", placed)):
-            prog = graph_program(vg, args.steps)
+            prog = sharding_gpu.chained_program(vg, args.steps)
             ms = sharding_gpu.graph_ms(vg, a, args.repeats, args.steps)[0]
             evs = device_events(prog, a)
             case[label] = {"graph_ms": ms, "devices": {dev: summary(e, args.steps, args.top)
