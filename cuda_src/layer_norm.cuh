@@ -1519,12 +1519,8 @@ cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int6
 
 // -------------------------------------------------------------- launchers ---
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename L>
-cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
-  // Rows a group: 4 below 32 lanes; 2 at one pack a lane of a plain norm (a tile of 32
-  // lanes then had one row, 512 bytes, in flight a warp: bf16 256 / float32 128 columns
-  // 1.03-1.04x; add+norm, with its residual's loads, measured 1-2 % slower with 2).
-  constexpr int ROWS = WIDTH < 32 ? 4 : (VPT == 1 && std::is_same_v<L, LoadX<T>> ? 2 : 1);
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
+cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L>;
   // One tile per warp rather than a persistent grid: with few tiles per warp a
@@ -1536,6 +1532,28 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
   blocks = int(needed < int64_t(sm_count()) * 64 ? needed : int64_t(sm_count()) * 64);
   kernel<<<blocks, kRegsThreads, 0, stream>>>(a);
   return cudaGetLastError();
+}
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename L>
+cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
+  // Rows a group of fewer than 32 lanes: 2 for a plain norm, 1 for add+norm, whose
+  // residual doubles the loads a row (H100, bf16, 32-128 columns, µs against 4 rows a
+  // group: LayerNorm 32 4.4 -> 4.0, 128 11.3 -> 10.8, add_layer_norm 32 7.7 -> 6.0;
+  // docs/perf-notes.md; knob JAX_OPS_NORM_FWD_GROUP_ROWS = 1, 2 or 4 overrides). At 32
+  // lanes and one pack a lane: 2 for a plain norm (a tile then had one row, 512 bytes,
+  // in flight a warp: bf16 256 / float32 128 columns 1.03-1.04x), 1 for add+norm (1-2 %
+  // slower with 2).
+  constexpr bool kPlain = std::is_same_v<L, LoadX<T>>;
+  if constexpr (WIDTH < 32) {
+    static const int knob = env_knob("JAX_OPS_NORM_FWD_GROUP_ROWS", 0);
+    const int group_rows = knob == 1 || knob == 2 || knob == 4 ? knob : (kPlain ? 2 : 1);
+    if (group_rows == 1) return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 1, L>(a, stream);
+    if (group_rows == 2) return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 2, L>(a, stream);
+    return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 4, L>(a, stream);
+  } else {
+    constexpr int ROWS = VPT == 1 && kPlain ? 2 : 1;
+    return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, ROWS, L>(a, stream);
+  }
 }
 
 template <typename T, typename P, int PACK, typename L>
