@@ -25,6 +25,7 @@ elements) and the time of value_and_grad under jit against one GPU:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -162,9 +163,11 @@ def step_ms(fn, args, repeats: int, steps: int = 10) -> float:
     return statistics.median(times) * 1e3
 
 
+@functools.cache
 def chained_program(fn, steps: int):
     """A jitted program of `steps` chained steps of fn, every step's results returned
-    (none can be dropped as dead code)."""
+    (none can be dropped as dead code); one per (fn, steps), so that its callers share
+    the compiled program."""
     def run(*a):
         outs = []
         for _ in range(steps):

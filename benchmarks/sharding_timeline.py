@@ -14,40 +14,15 @@ async collectives start and end).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
-import tempfile
 
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_trace  # noqa: E402  (the trace and its gaps)
 import sharding_gpu  # noqa: E402  (the cases, their inputs and the chained program)
-
-
-def device_events(run, args) -> dict[str, list]:
-    """{device plane name: sorted (start ns, end ns, kernel name)} of one call of run(*args)."""
-    jax.block_until_ready(run(*args))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            jax.block_until_ready(run(*args))
-        finally:
-            jax.profiler.stop_trace()
-        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-        data = jax.profiler.ProfileData.from_file(path)
-    out: dict[str, list] = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        evs = out.setdefault(plane.name, [])
-        for line in plane.lines:
-            if "memcpy" in line.name.lower():
-                continue
-            evs.extend((ev.start_ns, ev.end_ns, ev.name) for ev in line.events)
-        evs.sort()
-    return out
 
 
 def summary(events, steps: int, top: int) -> dict:
@@ -55,25 +30,20 @@ def summary(events, steps: int, top: int) -> dict:
         return {}
     nccl = [e for e in events if "nccl" in e[2].lower()]
     comp = [e for e in events if "nccl" not in e[2].lower()]
-    span = max(e for _, e, _ in events) - min(s for s, _, _ in events)
-    busy, gaps, last_end = 0.0, [], comp[0][0] if comp else 0
-    for i, (s, e, name) in enumerate(comp):
-        if s > last_end:
-            gaps.append((s - last_end, comp[i - 1][2][:70] if i else "", name[:70]))
-        busy += max(0.0, e - max(s, last_end))
-        last_end = max(last_end, e)
-    gaps.sort(reverse=True)
+    span = max(e for _, e, *_ in events) - min(s for s, *_ in events)
+    busy, gaps = gpu_trace.busy_and_gaps(comp)
     per_name: dict[str, float] = {}
-    for s, e, name in events:
+    for s, e, name, _ in events:
         per_name[name[:70]] = per_name.get(name[:70], 0.0) + (e - s) / steps / 1e3
     return {"span_us_per_step": span / steps / 1e3,
             "compute_busy_us_per_step": busy / steps / 1e3,
             "compute_idle_us_per_step": (span - busy) / steps / 1e3,
             "compute_kernels_per_step": len(comp) / steps,
-            "nccl_us_per_step": sum(e - s for s, e, _ in nccl) / steps / 1e3,
+            "nccl_us_per_step": sum(e - s for s, e, *_ in nccl) / steps / 1e3,
             "gaps_over_3us_per_step": sum(1 for g in gaps if g[0] > 3e3) / steps,
             "idle_in_gaps_over_3us_per_step": sum(g[0] for g in gaps if g[0] > 3e3) / steps / 1e3,
-            "largest_gaps": [dict(us=g / 1e3, after=a, before=b) for g, a, b in gaps[:top]],
+            "largest_gaps": [dict(us=g / 1e3, after=a[2][:70] if a else "", before=b[2][:70])
+                             for g, a, b in gaps[:top]],
             "us_per_step_by_kernel": dict(sorted(per_name.items(), key=lambda kv: -kv[1]))}
 
 
@@ -104,7 +74,7 @@ def main():
         for label, a in (("one_gpu", one), ("sharded", placed)):
             prog = sharding_gpu.chained_program(vg, args.steps)
             ms = sharding_gpu.graph_ms(vg, a, args.repeats, args.steps)[0]
-            evs = device_events(prog, a)
+            evs = gpu_trace.gpu_events(lambda: prog(*a))
             case[label] = {"graph_ms": ms, "devices": {dev: summary(e, args.steps, args.top)
                                                        for dev, e in evs.items() if e}}
             if label == "sharded" and args.hlo:

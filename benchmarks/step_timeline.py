@@ -13,17 +13,16 @@ model builders are benchmarks/model_step.py's.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_trace  # noqa: E402  (the trace and its gaps)
 import model_step  # noqa: E402  (the model builders and the training step)
 
 import jax_ops  # noqa: E402
@@ -31,44 +30,20 @@ import jax_ops  # noqa: E402
 
 def kernel_events(run, steps: int) -> list:
     """(start ns, end ns, name, hlo_op) of every GPU kernel of `steps` calls of run()."""
-    jax.block_until_ready(run())
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        try:
-            out = None
-            for _ in range(steps):
-                out = run()
-            jax.block_until_ready(out)
-        finally:
-            jax.profiler.stop_trace()
-        path = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0]
-        data = jax.profiler.ProfileData.from_file(path)
-    events = []
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if "memcpy" in line.name.lower():
-                continue
-            for ev in line.events:
-                stats = dict(ev.stats)
-                events.append((ev.start_ns, ev.end_ns, ev.name, str(stats.get("hlo_op", ""))))
-    return sorted(events)
+    def call():
+        out = None
+        for _ in range(steps):
+            out = run()
+        return out
+    return sorted(ev for evs in gpu_trace.gpu_events(call).values() for ev in evs)
 
 
 def timeline_summary(events, steps: int, top: int) -> dict:
     if not events:
         return {"kernels": 0}
-    busy, gaps, last_end = 0.0, [], events[0][0]
-    for i, (s, e, name, op) in enumerate(events):
-        if s > last_end:
-            prev = events[i - 1] if i else None
-            gaps.append((s - last_end, prev[2][:60] + f" [{prev[3]}]" if prev else "",
-                         name[:60] + f" [{op}]"))
-        busy += max(0.0, e - max(s, last_end))  # overlapping kernels counted once
-        last_end = max(last_end, e)
-    span = last_end - events[0][0]
-    gaps.sort(reverse=True)
+    busy, gaps = gpu_trace.busy_and_gaps(events)
+    span = max(e for _, e, *_ in events) - events[0][0]
+    label = lambda ev: ev[2][:60] + f" [{ev[3]}]" if ev else ""  # noqa: E731
     return {"kernels_per_step": len(events) / steps,
             "kernel_us_per_step": sum(e - s for s, e, *_ in events) / steps / 1e3,
             "busy_us_per_step": busy / steps / 1e3,
@@ -76,7 +51,7 @@ def timeline_summary(events, steps: int, top: int) -> dict:
             "idle_us_per_step": (span - busy) / steps / 1e3,
             "gaps_over_5us_per_step": sum(1 for g in gaps if g[0] > 5e3) / steps,
             "idle_in_gaps_over_5us_per_step": sum(g[0] for g in gaps if g[0] > 5e3) / steps / 1e3,
-            "largest_gaps": [dict(us=g / 1e3, after=a, before=b) for g, a, b in gaps[:top]]}
+            "largest_gaps": [dict(us=g / 1e3, after=label(a), before=label(b)) for g, a, b in gaps[:top]]}
 
 
 def variants(name, mode, cfg, dtype, policy):
