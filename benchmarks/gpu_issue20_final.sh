@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Device calls of the fifteenth session (issue 20): the automatic choice against the best
+# of cuda and flax at every width and dtype (item 1), the partials merged over more
+# blocks where rows are few (item 4), and the checks of a new build.
+# Stages: wsknobs (norm_workspace.py under each WS_ENVS); mergeab (the backward under
+# each merge setting: the group tier at 768 / 1024 columns, the bulk tier at 4096 with
+# 8192 and 49152 rows); tests (the norm test files); workspace; sanitize (memcheck /
+# synccheck / racecheck where partials merge over 4 blocks); sweepDT for DT in bf16, f16,
+# f32 (SWEEP_OPS, fwd / bwd / fwd_bwd, auto / cuda / flax, 32-32768 columns at 49152 rows
+# and 65536 at 8192), each op its own JSON; sweepadd (add+norm, bf16).
+# Usage: bash benchmarks/gpu_issue20_final.sh stages
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-tests,workspace}
+source benchmarks/gpu_stages.sh
+if has wsknobs; then
+  for e in ${WS_ENVS:-JAX_OPS_NORM_BWD_MERGE_BLOCKS=2 JAX_OPS_NORM_BWD_MERGE_BLOCKS=4 JAX_OPS_NORM_BWD_GROUP_MERGE_BLOCKS=4}; do
+    echo "== $e"
+    env $e timeout 120 python3 benchmarks/norm_workspace.py 2>&1 | grep -v Warning
+  done > "$OUT/wsknobs.txt"
+  cat "$OUT/wsknobs.txt" | tee -a "$LOG" > /dev/null
+  stage_done wsknobs
+fi
+if has mergeab; then
+  for v in ${MERGE_VALUES:-2 4}; do
+    echo "== JAX_OPS_NORM_BWD_GROUP_MERGE_BLOCKS=$v"
+    for dt in bf16 f32; do
+      JAX_OPS_NORM_BWD_GROUP_MERGE_BLOCKS=$v timeout 80 python3 -m jax_ops.bench --repeats 5 --dtype $dt --impl cuda \
+        --op layer_norm,rms_norm --mode bwd,step --cols 768,1024
+    done
+    echo "== JAX_OPS_NORM_BWD_MERGE_BLOCKS=$v"
+    for rows in 8192 49152; do
+      JAX_OPS_NORM_BWD_MERGE_BLOCKS=$v timeout 80 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --rows $rows \
+        --impl cuda --op layer_norm,rms_norm --mode bwd,step --cols 4096
+    done
+  done > "$OUT/mergeab.txt" 2>&1
+  grep -E "^== |^[a-z_]+ (bwd|step) " "$OUT/mergeab.txt" | tee -a "$LOG"
+  stage_done mergeab
+fi
+has tests && norm_tests
+has workspace && workspace_stage
+if has sanitize; then
+  { for tool in memcheck synccheck; do
+      ROWS=${SAN_ROWS:-3001} OPS=${SAN_OPS:-ln,rms,add_ln} timeout 150 compute-sanitizer --tool $tool \
+        --error-exitcode 9 python3 benchmarks/sanitize_norm.py ${SAN_COLS:-768,1000,1024,4096} 2>&1; echo "$tool rc $?"
+    done
+    ROWS=${SAN_ROWS:-3001} OPS=ln timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
+      python3 benchmarks/sanitize_norm.py ${RACE_COLS:-1024,4096} 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
+  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
+  stage_done sanitize
+fi
+# The dispatch table's bf16 entries at TABLE_COLS re-measured (gpu_tables.sh, cuda / pallas
+# / xla; fwd / bwd / step), merged into the H100 table, copied to $OUT.
+if has tables; then
+  cp "$OUT/env.txt" "$OUT/env_main.txt"
+  OP_TIMEOUT=100 bash benchmarks/gpu_tables.sh bf16 ${TABLE_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm} \
+    ${TABLE_COLS:-256,512} > "$OUT/tables.txt" 2>&1
+  mv "$OUT/env.txt" "$OUT/env_tables.txt"; mv "$OUT/env_main.txt" "$OUT/env.txt"
+  grep -E "rc [0-9]+ in" "$OUT/env_tables.txt" | tee -a "$LOG"
+  stage_done tables
+fi
+# One op and dtype a benchmark process (a timeout loses one, not the stage).
+sweep_dtype() {
+  local dt=$1 op
+  for op in ${SWEEP_OPS:-layer_norm rms_norm}; do
+    # Whatever is left of the call's 600 s goes to packing the results.
+    if [ $((SECONDS - t0)) -gt ${STOP_AFTER:-450} ]; then echo "skipped sweep $op $dt: time" | tee -a "$LOG"; continue; fi
+    local left=$((${CALL_SECONDS:-570} - (SECONDS - t0)))
+    SWEEP_TIMEOUT=$((left < 240 ? left : 240)) sweep_stage sweep_${op}_$dt --dtype $dt --rows 49152 --op $op \
+      --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols ${SWEEP_COLS:-32,64,128,256,512,1024,2048,4096,8192,16384,32768}
+    left=$((${CALL_SECONDS:-570} - (SECONDS - t0)))
+    [ $left -gt 20 ] && SWEEP_TIMEOUT=$((left < 120 ? left : 120)) sweep_stage sweep_${op}_${dt}_65536 --dtype $dt --rows 8192 --op $op \
+      --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols 65536
+  done
+}
+for dt in bf16 f16 f32; do has sweep$dt && sweep_dtype $dt; done
+has sweepadd && SWEEP_OPS="add_layer_norm add_rms_norm" sweep_dtype bf16
+if compgen -G "$OUT/sweep_*.json" > /dev/null; then
+  python3 benchmarks/auto_vs_best.py "$OUT"/sweep_*.json > "$OUT/auto_vs_best.txt" 2>&1
+  grep -E "MISS|lowest|fastest|point\(s\)" "$OUT/auto_vs_best.txt" | tee -a "$LOG"
+fi
+# At most 8 files come back: the rest in one archive.
+(cd "$OUT" && ls | grep -v -E '^(log|env|auto_vs_best|tests|workspace|sanitize)\.txt$|^nvidia_.*\.json$' > /tmp/pack.lst
+ [ -s /tmp/pack.lst ] && tar czf extra.tgz -T /tmp/pack.lst && xargs rm -f < /tmp/pack.lst; ls)
+exit 0
