@@ -248,6 +248,35 @@ def test_table_lookup_picks_nearest_entry_fastest_supported(monkeypatch):
     assert dispatch._from_table(q, impls)[0] == "cuda"
 
 
+def test_table_lookup_keeps_to_the_dtype_width_and_interpolates_between_widths(monkeypatch):
+    table = _table("NVIDIA H100 80GB HBM3", [
+        _entry("layer_norm", "fwd", "float32", 49152, 256, cuda=36.0, pallas=35.0),
+        _entry("layer_norm", "fwd", "float32", 49152, 1024, cuda=136.0, pallas=150.0),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 512, cuda=40.0, pallas=30.0),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 2048, cuda=100.0, pallas=140.0),
+    ])
+    monkeypatch.setattr(dispatch, "_tables", lambda: (table,))
+    impls = {i.name: i for i in registry.all_of("layer_norm") if i.name in ("cuda", "pallas")}
+
+    def pick(cols, dtype):
+        return dispatch._from_table(Query("layer_norm", "fwd", "cuda", (49152, cols), dtype,
+                                          "NVIDIA H100 80GB HBM3"), impls)
+
+    # float32 at 512: not bfloat16 512's pick (pallas) but its own widths', interpolated:
+    # cuda (36 * 136) ** 0.5 = 70.0 against pallas (35 * 150) ** 0.5 = 72.5.
+    name, reason = pick(512, "float32")
+    assert name == "cuda" and "float32[49152,256..1024], interpolated: cuda 70.0us, pallas 72.5us" in reason
+    # Nearer the 256 entry the interpolation follows it (pallas 35 vs cuda 36 there).
+    assert pick(260, "float32")[0] == "pallas"
+    # A measured width is taken as it is; float16 may stand in with bfloat16's entries (same
+    # bytes a row), float32's never do.
+    assert pick(1024, "float32")[1].count("float32[49152,1024]:") == 1
+    name, reason = pick(512, "float16")
+    assert name == "pallas" and "bfloat16[49152,512]: pallas 30.0us" in reason
+    # Past the widest measured width: the nearest entry (no extrapolation).
+    assert "float32[49152,1024]: cuda 136.0us" in pick(8192, "float32")[1]
+
+
 def test_table_of_same_generation_serves_an_op_this_gpu_was_not_measured_for(monkeypatch):
     h200 = _table("NVIDIA H200", [_entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=10.0, cuda=8.0, pallas=9.0)])
     h100 = dict(_table("NVIDIA H100 80GB HBM3", [

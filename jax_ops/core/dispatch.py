@@ -9,8 +9,9 @@ static shapes, in this order:
    measured tables do not know it; autotune does).
 4. measured table: jax_ops/tables/<gpu>.json, written by the benchmark
    (`jax-ops-bench --table ...`; the command is recorded in each file). The entry of
-   the same op/stage/dtype nearest in (log cols, log rows) gives each
-   implementation's time; the fastest one that supports the call wins. Stages:
+   the same op/stage nearest in (log cols, log rows), of the same dtype or another of
+   its width, gives each implementation's time (between two measured widths of that
+   dtype, interpolated in log cols); the fastest one that supports the call wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed as step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
    (masked or causal softmax) and "bwd"; a stage without entries falls back to the
@@ -184,6 +185,24 @@ def _table_with_op(q: Query) -> dict | None:
     return table
 
 
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tuple[dict, str] | None:
+    """Each implementation's time at q.cols interpolated (log time against log cols)
+    between the nearest measured widths below and above it, of best's dtype and rows;
+    None where q.cols is measured or not bracketed."""
+    same = [e for e in entries if e["dtype"] == best["dtype"] and e["rows"] == best["rows"]]
+    lo = max((e for e in same if e["cols"] < q.cols), key=lambda e: e["cols"], default=None)
+    hi = min((e for e in same if e["cols"] > q.cols), key=lambda e: e["cols"], default=None)
+    if best["cols"] == q.cols or lo is None or hi is None:
+        return None
+    w = math.log(q.cols / lo["cols"]) / math.log(hi["cols"] / lo["cols"])
+    us = {n: math.exp((1 - w) * math.log(max(lo["us"][n], 1e-9)) + w * math.log(max(hi["us"][n], 1e-9)))
+          for n in lo["us"] if n in hi["us"] and n in candidates}
+    return (us, f"{best['dtype']}[{best['rows']},{lo['cols']}..{hi['cols']}], interpolated") if us else None
+
+
 def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
     table = _table_with_op(q)
     if table is None or q.cols is None:
@@ -192,16 +211,22 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     if not entries:  # e.g. no training-forward times: the plain forward's
         entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.stage]
     entries = [e for e in entries if any(n in candidates for n in e["us"])]
+    # Another dtype's entries stand in only for one of the same width in bytes: which
+    # kernel tier serves a row depends on its bytes (H100, float32 LayerNorm at 512
+    # columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd).
+    size = _ITEMSIZE.get(q.dtype)
+    entries = [e for e in entries if _ITEMSIZE.get(e["dtype"]) == size] or entries
     if not entries:
         return None
     best = min(entries, key=lambda e: _distance(q, e))
-    timed = sorted((t, n) for n, t in best["us"].items() if n in candidates)
+    between = _times_between(q, best, entries, candidates)
+    us, where = between or (best["us"], f"{best['dtype']}[{best['rows']},{best['cols']}]")
+    timed = sorted((t, n) for n, t in us.items() if n in candidates)
     name = timed[0][1]
     times = ", ".join(f"{n} {t:.1f}us" for t, n in timed)
     source = table_match(q.device_kind)[1] if table is table_for(q.device_kind) else \
         f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {q.op})"
-    return name, (f"measured table {table['_path']} at {best['dtype']}[{best['rows']},"
-                  f"{best['cols']}]: {times} [{source}]")
+    return name, f"measured table {table['_path']} at {where}: {times} [{source}]"
 
 
 def table_pick(q: Query) -> tuple[str, str] | None:
