@@ -16,16 +16,7 @@ if has tests; then
   tail -2 "$OUT/tests.txt" | tee -a "$LOG"
   stage_done tests
 fi
-if has sanitize; then
-  { for tool in memcheck synccheck; do
-      ROWS=${SAN_ROWS:-301} timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
-        ${SAN_COLS:-16384,24577,32768,65536} 2>&1; echo "$tool rc $?"
-    done
-    ROWS=${SAN_ROWS:-301} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
-      ${RACE_COLS:-16384} 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
-  grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
-  stage_done sanitize
-fi
+has sanitize && norm_sanitize ${SAN_ROWS:-301} ${SAN_COLS:-16384,24577,32768,65536} ${RACE_COLS:-16384}
 ab_bwd() {
   for dt in ${AB_DTYPES:-bf16 f16 f32}; do
     cols=${AB_COLS:-16384,32768,65536}; [ $dt = f32 ] && cols=${AB_COLS_F32:-16384,32768}

@@ -39,16 +39,8 @@ if has mergeab; then
 fi
 has tests && norm_tests
 has workspace && workspace_stage
-if has sanitize; then
-  { for tool in memcheck synccheck; do
-      ROWS=${SAN_ROWS:-3001} OPS=${SAN_OPS:-ln,rms,add_ln} timeout 150 compute-sanitizer --tool $tool \
-        --error-exitcode 9 python3 benchmarks/sanitize_norm.py ${SAN_COLS:-768,1000,1024,4096} 2>&1; echo "$tool rc $?"
-    done
-    ROWS=${SAN_ROWS:-3001} OPS=ln timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
-      python3 benchmarks/sanitize_norm.py ${RACE_COLS:-1024,4096} 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
-  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
-  stage_done sanitize
-fi
+has sanitize && SAN_OPS=${SAN_OPS:-ln,rms,add_ln} RACE_OPS=ln norm_sanitize ${SAN_ROWS:-3001} \
+  ${SAN_COLS:-768,1000,1024,4096} ${RACE_COLS:-1024,4096}
 # The dispatch table's bf16 entries at TABLE_COLS re-measured (gpu_tables.sh, cuda / pallas
 # / xla; fwd / bwd / step), merged into the H100 table, copied to $OUT.
 if has tables; then

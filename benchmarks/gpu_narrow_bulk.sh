@@ -25,16 +25,7 @@ if has quicktests; then
   tail -2 "$OUT/tests.txt" | tee -a "$LOG"
   stage_done quicktests
 fi
-if has sanitize; then
-  { for tool in memcheck synccheck; do
-      ROWS=${SAN_ROWS:-5001} timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
-        ${SAN_COLS:-8,32,64,128,256,512,1024} 2>&1; echo "$tool rc $?"
-    done
-    ROWS=${SAN_ROWS:-5001} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 python3 benchmarks/sanitize_norm.py \
-      ${RACE_COLS:-128,1024} 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
-  grep -E "rc [0-9]|ERROR SUMMARY|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
-  stage_done sanitize
-fi
+has sanitize && norm_sanitize ${SAN_ROWS:-5001} ${SAN_COLS:-8,32,64,128,256,512,1024} ${RACE_COLS:-128,1024}
 ab_bwd() {
   local dt mode
   for mode in ${AB_MODES:-bwd}; do

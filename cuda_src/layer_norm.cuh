@@ -1764,8 +1764,9 @@ inline int bwd_group_merge_blocks(const BwdArgs& a) {
 // 8192 x 4096 backward LayerNorm 89.4 -> 87.8 µs, RMSNorm 84.6 -> 86.2, workspace 4.1 ->
 // 1.9 MiB; 49152 x 768 / 1024 backward 1.6-3.3 % slower, step <= 1.1 %, 1.2 / 1.6 -> 0.5
 // / 0.7 MiB; at 49152 x 4096, where it does not apply, 4 blocks were 4 % slower.
-// query(cs, &parts) sizes the grid for clusters of cs (before the work_rows cap, so that
-// the dry run at lowering and the launch decide alike); *cs ends at the last that fit.
+// query(cs, &parts) sizes the grid for clusters of cs; the choice is made before the
+// work_rows cap (so that the dry run at lowering and the launch decide alike), which is
+// applied to *parts at the end; *cs ends at the last that fit.
 template <typename T, typename Query>
 cudaError_t lean_merge_grid(const BwdArgs& a, int* cs, int64_t* parts, Query&& query) {
   static const int max_cs = std::min(env_knob("JAX_OPS_NORM_BWD_MERGE_MAX_BLOCKS", 4), kMaxClusterBlocks);
@@ -1780,6 +1781,7 @@ cudaError_t lean_merge_grid(const BwdArgs& a, int* cs, int64_t* parts, Query&& q
     *cs *= 2;
     *parts = more;
   }
+  if (err == cudaSuccess) *parts = cap_blocks(a, *parts);
   return err;
 }
 
@@ -1806,7 +1808,6 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
     qerr = lean_merge_grid<T>(a, &cs, &parts, [&](int c, int64_t* n) {
       return cluster_grid(kernel, c, kRegsThreads, (chunks + c - 1) / c, n, smem);
     });
-    parts = cap_blocks(a, parts);
   } else if (qerr == cudaSuccess) {
     int blocks = 0;
     qerr = resident_blocks(kernel, kRegsThreads, smem, chunks, &blocks);
@@ -1852,7 +1853,6 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
            return cluster_grid(kernel, c, kRegsThreads, (work_blocks + c - 1) / c, n, smem);
          })) != cudaSuccess)
       return err;
-    clusters = cap_blocks(a, clusters);
     return run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
       return launch_clusters_smem(kernel, cs, kRegsThreads, smem, clusters, stream,
                                   static_cast<const typename S::Args&>(a), ds, db);
@@ -1910,7 +1910,6 @@ bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* sme
     err = lean_merge_grid<T>(a, cs, parts, [&](int c, int64_t* n) {
       return cluster_grid(kernel, c, threads, (a.rows + c - 1) / c, n, *smem);
     });
-    *parts = cap_blocks(a, *parts);
   } else if (err == cudaSuccess) {
     int blocks = 0;
     err = resident_blocks(kernel, threads, *smem, a.rows, &blocks);

@@ -45,6 +45,8 @@ import sys
 import threading
 from pathlib import Path
 
+import jax.numpy as jnp
+
 from jax_ops.core import cache, registry
 from jax_ops.core.registry import Implementation, Query
 
@@ -185,7 +187,12 @@ def _table_with_op(q: Query) -> dict | None:
     return table
 
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+@functools.cache
+def _itemsize(dtype: str) -> int | None:
+    try:
+        return jnp.dtype(dtype).itemsize
+    except TypeError:
+        return None
 
 
 def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tuple[dict, str] | None:
@@ -214,8 +221,7 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     # Another dtype's entries stand in only for one of the same width in bytes: which
     # kernel tier serves a row depends on its bytes (H100, float32 LayerNorm at 512
     # columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd).
-    size = _ITEMSIZE.get(q.dtype)
-    entries = [e for e in entries if _ITEMSIZE.get(e["dtype"]) == size] or entries
+    entries = [e for e in entries if _itemsize(e["dtype"]) == _itemsize(q.dtype)] or entries
     if not entries:
         return None
     best = min(entries, key=lambda e: _distance(q, e))
