@@ -67,11 +67,5 @@ sweep_dtype() {
 }
 for dt in bf16 f16 f32; do has sweep$dt && sweep_dtype $dt; done
 has sweepadd && SWEEP_OPS="add_layer_norm add_rms_norm" sweep_dtype bf16
-if compgen -G "$OUT/sweep_*.json" > /dev/null; then
-  python3 benchmarks/auto_vs_best.py "$OUT"/sweep_*.json > "$OUT/auto_vs_best.txt" 2>&1
-  grep -E "MISS|lowest|fastest|point\(s\)" "$OUT/auto_vs_best.txt" | tee -a "$LOG"
-fi
-# At most 8 files come back: the rest in one archive.
-(cd "$OUT" && ls | grep -v -E '^(log|env|auto_vs_best|tests|workspace|sanitize)\.txt$|^nvidia_.*\.json$' > /tmp/pack.lst
- [ -s /tmp/pack.lst ] && tar czf extra.tgz -T /tmp/pack.lst && xargs rm -f < /tmp/pack.lst; ls)
+finish_call "log|env|auto_vs_best|tests|workspace|sanitize"
 exit 0

@@ -61,11 +61,5 @@ if has gpt2; then
   grep -E "gpt2|step|MiB" "$OUT/model_step.txt" | tail -12 | tee -a "$LOG"
   stage_done gpt2
 fi
-if compgen -G "$OUT/sweep_*.json" > /dev/null; then
-  python3 benchmarks/auto_vs_best.py "$OUT"/sweep_*.json > "$OUT/auto_vs_best.txt" 2>&1
-  grep -E "MISS|lowest|fastest|point\(s\)" "$OUT/auto_vs_best.txt" | tee -a "$LOG"
-fi
-# At most 8 files come back: the rest in one archive.
-(cd "$OUT" && ls | grep -v -E '^(log|env|auto_vs_best|tests|model_step)\.txt$|^nvidia_.*\.json$' > /tmp/pack.lst
- [ -s /tmp/pack.lst ] && tar czf extra.tgz -T /tmp/pack.lst && xargs rm -f < /tmp/pack.lst; ls)
+finish_call "log|env|auto_vs_best|tests|model_step"
 exit 0

@@ -75,3 +75,14 @@ sweep_stage() {
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
 }
+# The auto / best summary of the sweep JSONs in $OUT (benchmarks/auto_vs_best.py), then,
+# as at most 8 files come back, everything but the named .txt files ("log|env|...") and
+# the table JSON in one archive, extra.tgz: finish_call NAMES
+finish_call() {
+  if compgen -G "$OUT/sweep_*.json" > /dev/null; then
+    python3 benchmarks/auto_vs_best.py "$OUT"/sweep_*.json > "$OUT/auto_vs_best.txt" 2>&1
+    grep -E "MISS|lowest|fastest|point\(s\)" "$OUT/auto_vs_best.txt" | tee -a "$LOG"
+  fi
+  (cd "$OUT" && ls | grep -v -E "^($1)\.txt\$|^nvidia_.*\.json\$" > /tmp/pack.lst
+   [ -s /tmp/pack.lst ] && tar czf extra.tgz -T /tmp/pack.lst && xargs rm -f < /tmp/pack.lst; ls)
+}
