@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Device calls of the sixteenth session (issue 20). Stages: tablesf32 (the H100 table's
-# float32 norm entries at 512 / 2048 columns, merged in place); f32picks (float32
-# LayerNorm / RMSNorm at 512 / 2048 columns, where the lookup's dtype-width rule and
-# interpolation moved picks: every implementation and flax, fwd / fwd_bwd, 49152 rows);
-# sweepaddrms (add_rms_norm bf16, auto / cuda / flax, 32-32768 and 65536); narrow
-# (LayerNorm / RMSNorm fwd_bwd at 32-256 bf16 columns, 7 repeats); l2bound (LayerNorm's
-# 65536-column forward: the parameters' cost, ncu's DRAM / L2 throughput); tests; gpt2
-# (Hugging Face's Flax GPT-2 training step, original vs jax_ops.optimize). Then the auto /
-# best summary of every sweep JSON. (The session's first runs also had stages rows2 and
-# sliceab, for knobs of branch exp/ln-fwd-two-rows: that branch's copy of this script.)
+# float32 entries of TABLE_OPS, default the two norms, at TABLE_COLS, default 512 / 2048,
+# merged in place); f32picks (float32 LayerNorm / RMSNorm at 512 / 2048 columns, where
+# the lookup's dtype-width rule and interpolation moved picks: every implementation and
+# flax, fwd / fwd_bwd, 49152 rows); sweepaddrms (add_rms_norm bf16, auto / cuda / flax,
+# 32-32768 and 65536); narrow (LayerNorm / RMSNorm fwd_bwd at 32-256 bf16 columns, 7
+# repeats); l2bound (LayerNorm's 65536-column forward: the parameters' cost, ncu's DRAM /
+# L2 throughput); tests; gpt2 (Hugging Face's Flax GPT-2 training step, original vs
+# jax_ops.optimize). Then the auto / best summary of every sweep JSON. (The session's
+# first runs also had stages rows2 and sliceab, for knobs of branch exp/ln-fwd-two-rows:
+# that branch's copy of this script.)
 # Usage: bash benchmarks/gpu_issue20_s16.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -22,7 +23,7 @@ if has tablesf32; then
     > "$OUT/tables.txt" 2>&1
   mv "$OUT/env.txt" "$OUT/env_tables.txt"; mv "$OUT/env_main.txt" "$OUT/env.txt"
   grep -E "rc [0-9]+ in" "$OUT/env_tables.txt" | tee -a "$LOG"
-  for f in "$OUT"/sweep_*_f32.json; do mv "$f" "${f%.json}.table.json"; done  # not an auto sweep
+  for f in "$OUT"/sweep_*_f32.json; do mv "$f" "$OUT/table_$(basename "$f")"; done  # not an auto sweep
   stage_done tablesf32
 fi
 if has f32picks; then
