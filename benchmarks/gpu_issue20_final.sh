@@ -41,16 +41,9 @@ has tests && norm_tests
 has workspace && workspace_stage
 has sanitize && SAN_OPS=${SAN_OPS:-ln,rms,add_ln} RACE_OPS=ln norm_sanitize ${SAN_ROWS:-3001} \
   ${SAN_COLS:-768,1000,1024,4096} ${RACE_COLS:-1024,4096}
-# The dispatch table's bf16 entries at TABLE_COLS re-measured (gpu_tables.sh, cuda / pallas
-# / xla; fwd / bwd / step), merged into the H100 table, copied to $OUT.
-if has tables; then
-  cp "$OUT/env.txt" "$OUT/env_main.txt"
-  OP_TIMEOUT=100 bash benchmarks/gpu_tables.sh bf16 ${TABLE_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm} \
-    ${TABLE_COLS:-256,512} > "$OUT/tables.txt" 2>&1
-  mv "$OUT/env.txt" "$OUT/env_tables.txt"; mv "$OUT/env_main.txt" "$OUT/env.txt"
-  grep -E "rc [0-9]+ in" "$OUT/env_tables.txt" | tee -a "$LOG"
-  stage_done tables
-fi
+# The dispatch table's bf16 entries of TABLE_OPS at TABLE_COLS re-measured (table_stage).
+has tables && OP_TIMEOUT=${OP_TIMEOUT:-100} table_stage bf16 \
+  ${TABLE_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm} ${TABLE_COLS:-256,512}
 # One op and dtype a benchmark process (a timeout loses one, not the stage).
 sweep_dtype() {
   local dt=$1 op

@@ -15,18 +15,7 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tablesf32,f32picks}
 source benchmarks/gpu_stages.sh
-# The H100 table's float32 entries of TABLE_OPS at TABLE_COLS measured (gpu_tables.sh, an
-# op a process within OP_TIMEOUT s; merged into jax_ops/tables/ in this tree, so the later
-# stages use them; copied to $OUT).
-if has tablesf32; then
-  cp "$OUT/env.txt" "$OUT/env_main.txt"
-  OP_TIMEOUT=${OP_TIMEOUT:-240} bash benchmarks/gpu_tables.sh f32 ${TABLE_OPS:-layer_norm,rms_norm} ${TABLE_COLS:-512,2048} \
-    > "$OUT/tables.txt" 2>&1
-  mv "$OUT/env.txt" "$OUT/env_tables.txt"; mv "$OUT/env_main.txt" "$OUT/env.txt"
-  grep -E "rc [0-9]+ in" "$OUT/env_tables.txt" | tee -a "$LOG"
-  for f in "$OUT"/sweep_*_f32.json; do mv "$f" "$OUT/table_$(basename "$f")"; done  # not an auto sweep
-  stage_done tablesf32
-fi
+has tablesf32 && table_stage f32 ${TABLE_OPS:-layer_norm,rms_norm} ${TABLE_COLS:-512,2048}
 if has f32picks; then
   SWEEP_IMPLS=auto,cuda,pallas,xla,flax SWEEP_TIMEOUT=200 sweep_stage sweep_f32picks --dtype f32 --rows 49152 \
     --op layer_norm,rms_norm --mode ${PICK_MODES:-fwd,fwd_bwd} --cols ${PICK_COLS:-512,2048}

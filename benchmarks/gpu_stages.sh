@@ -86,3 +86,19 @@ finish_call() {
   (cd "$OUT" && ls | grep -v -E "^($1)\.txt\$|^nvidia_.*\.json\$" > /tmp/pack.lst
    [ -s /tmp/pack.lst ] && tar czf extra.tgz -T /tmp/pack.lst && xargs rm -f < /tmp/pack.lst; ls)
 }
+# The dispatch table's DT entries of OPS at COLS re-measured (gpu_tables.sh: cuda / pallas
+# / xla, fwd / bwd / step, an op a process within OP_TIMEOUT s, default 240), merged into
+# this tree's H100 table so that later stages use them, the table copied to $OUT. The
+# per-op JSONs become table_sweep_OP_DT.json: not auto sweeps for finish_call's summary,
+# nor overwritten by a sweep stage's of the same op and dtype: table_stage DT OPS COLS
+table_stage() {
+  local op
+  cp "$OUT/env.txt" "$OUT/env_main.txt"
+  OP_TIMEOUT=${OP_TIMEOUT:-240} bash benchmarks/gpu_tables.sh "$1" "$2" "$3" > "$OUT/tables.txt" 2>&1
+  mv "$OUT/env.txt" "$OUT/env_tables.txt"; mv "$OUT/env_main.txt" "$OUT/env.txt"
+  grep -E "rc [0-9]+ in" "$OUT/env_tables.txt" | tee -a "$LOG"
+  for op in ${2//,/ }; do
+    [ -f "$OUT/sweep_${op}_$1.json" ] && mv "$OUT/sweep_${op}_$1.json" "$OUT/table_sweep_${op}_$1.json"
+  done
+  stage_done "tables_$1"
+}

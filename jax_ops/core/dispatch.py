@@ -218,9 +218,11 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     if not entries:  # e.g. no training-forward times: the plain forward's
         entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.stage]
     entries = [e for e in entries if any(n in candidates for n in e["us"])]
-    # Another dtype's entries stand in only for one of the same width in bytes: which
-    # kernel tier serves a row depends on its bytes (H100, float32 LayerNorm at 512
-    # columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd).
+    # Another dtype's entries stand in for one of the same width in bytes before any
+    # other: which kernel tier serves a row depends on its bytes (H100, float32 LayerNorm
+    # at 512 columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd). With none of
+    # that width, any dtype's: still nearer the best than the cuda heuristic (H100,
+    # float32 add+norms, 1 against 12 of 66 points below 0.98; perf-notes).
     entries = [e for e in entries if _itemsize(e["dtype"]) == _itemsize(q.dtype)] or entries
     if not entries:
         return None
