@@ -26,14 +26,14 @@ norm_sanitize() {
   grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
   stage_done sanitize
 }
-# One cuda benchmark (dtype KNOB_DTYPE, default bf16) per value of a knob, to
+# One cuda benchmark (dtype KNOB_DTYPE, default bf16; KNOB_TIMEOUT s, default 80) per value of a knob, to
 # $OUT/NAME.txt and the log: knob_sweep NAME KNOB "VALUES" BENCH-ARGS...
 knob_sweep() {
   local name=$1 knob=$2 values=$3 v
   shift 3
   for v in $values; do
     echo "== $knob=$v"
-    env "$knob=$v" timeout 80 python3 -m jax_ops.bench --repeats 3 --dtype ${KNOB_DTYPE:-bf16} --impl cuda "$@"
+    env "$knob=$v" timeout ${KNOB_TIMEOUT:-80} python3 -m jax_ops.bench --repeats 3 --dtype ${KNOB_DTYPE:-bf16} --impl cuda "$@"
   done > "$OUT/$name.txt" 2>&1
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd|step) " "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
