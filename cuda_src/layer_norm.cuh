@@ -30,7 +30,8 @@
 // add+norm (OneFlow-style functors): the forward kernels read their row through a
 // Load functor (LoadX: x; LoadAdd: h = x + residual rounded to T, stored to h as it
 // is read) and the backward kernels write dx through a Store functor (StoreDx, or
-// StoreDxAddDh: dx + dh), so every tier serves both with no copied kernels.
+// StoreDxAddDh: dx + dh, dh prefetched to L2 with the row where it is not loaded with
+// it), so every tier serves both with no copied kernels.
 #pragma once
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -422,7 +423,7 @@ struct StoreDxAddDh {
   // Where dh is loaded only as dx is stored (after the row sums), the 16-bit tiers ask L2
   // for it after the row's x and dy loads (the bulk tier a row ahead): its load then
   // waits on L2, not DRAM, and holds no registers until then. H100 bf16 backward:
-  // 512-2048 columns 1.05-1.16x, 8192 1.11x, 4096 1.00x; float32 rows at 1024 were 1.03x
+  // 512-2048 columns 1.05-1.19x, 8192 1.11x, 4096 1.00x; float32 rows at 1024 were 1.03x
   // slower. Issued between a pack's loads, it kept them from being batched (1024: 1.23x
   // slower); by the bulk tier's issuing thread as one bulk prefetch 3 rows ahead, 1.06x.
   static constexpr bool kLoads = true;
