@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Device calls of the seventeenth session (issue 20). Stages: gridsums (the group-tier
 # backward that sums its own dscale/dbias partials after a grid-wide barrier, a
-# cooperative launch, instead of a second kernel: branch exp/bwd-grid-sums' build only;
-# knob JAX_OPS_NORM_BWD_GRID_SUMS 0 / 1 / 0 / 1, cuda, bwd and fwd_bwd at GS_COLS, bf16
-# for the four ops, float32 for the two norms); dhab (add+norm's backward with dh
-# prefetched to L2, against the previous build, .carry/_ffi_old.so.gz); dhahead (at one
-# pack a lane, dh loaded with the row or prefetched: knob JAX_OPS_NORM_BWD_ADD_DH_AHEAD
-# 1 / 0 / 1 / 0, bwd and fwd_bwd at 32-256, bf16; float32 bwd); addflax
+# cooperative launch, instead of a second kernel; knob JAX_OPS_NORM_BWD_GRID_SUMS 0 / 1 /
+# 0 / 1, cuda, bwd and fwd_bwd at GS_COLS, bf16 for the four ops, float32 for the two
+# norms) and cmdbuf (below) need branch exp/bwd-grid-sums' build and files; dhab
+# (add+norm's backward with dh prefetched to L2, against the previous build,
+# .carry/_ffi_old.so.gz); dhahead (at one pack a lane, dh loaded with the row or
+# prefetched: knob JAX_OPS_NORM_BWD_ADD_DH_AHEAD 1 / 0 / 1 / 0, bwd and fwd_bwd at
+# 32-256, bf16; float32 bwd) needs the build of run 3, the knob is not on main; addflax
 # (add+norm fwd_bwd, auto / cuda / flax, 5 repeats); narrow
 # (LayerNorm / RMSNorm fwd_bwd at 32-256 bf16 columns, auto / cuda / flax, 7 repeats);
 # tests; sanitize (memcheck / synccheck / racecheck at narrow widths, every op);

@@ -737,7 +737,7 @@ def test_kernels_are_deterministic(impl):
     """Our kernels promise bitwise-reproducible results (no atomics), dscale/dbias included."""
     need(impl)
     for op in OPS:
-        # the narrow shapes: the group tier's grid, which sums its own partials on the GPU
+        # and narrow rows: the group tier, with many rows a block's partials
         for shape, dtype in (((2048, 1024), "float32"), ((64, 1025), "bfloat16"), ((8, 10000), "float32"),
                              ((20011, 128), "bfloat16"), ((4099, 33), "float32")):
             x, scale, bias, dy = make_inputs(seed_of(f"det{op}{shape}"), shape, dtype, "float32",
