@@ -390,8 +390,8 @@ struct StoreDx {
   __device__ __forceinline__ explicit StoreDx(const BwdArgs& a) : dx(static_cast<T*>(a.dx)) {}
   template <int PACK>
   __device__ __forceinline__ Ahead<PACK> load_ahead(int64_t) const { return {}; }
-  // Whether the store loads anything (add+norm's dh) that `prefetch` can ask of L2 ahead.
-  static constexpr bool kLoads = false;
+  // Whether the tiers ask L2 ahead for what the store loads (add+norm's dh) by `prefetch`.
+  static constexpr bool kPrefetch = false;
   __device__ __forceinline__ void prefetch(int64_t) const {}
   template <int PACK>
   __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK]) const {
@@ -420,13 +420,13 @@ struct StoreDxAddDh {
   __device__ __forceinline__ Ahead<PACK> load_ahead(int64_t i) const {
     return {*reinterpret_cast<const Pack<T, PACK>*>(dh + i)};
   }
-  // Where dh is loaded only as dx is stored (after the row sums), the 16-bit tiers ask L2
-  // for it after the row's x and dy loads (the bulk tier a row ahead): its load then
-  // waits on L2, not DRAM, and holds no registers until then. H100 bf16 backward:
+  // Where dh is loaded only as dx is stored (after the row sums), the tiers ask L2 for
+  // it after the row's x and dy loads (the bulk tier a row ahead), for 16-bit rows: its
+  // load then waits on L2, not DRAM, and holds no registers until then. H100 bf16 backward:
   // 512-2048 columns 1.05-1.19x, 8192 1.11x, 4096 1.00x; float32 rows at 1024 were 1.03x
   // slower. Issued between a pack's loads, it kept them from being batched (1024: 1.23x
   // slower); by the bulk tier's issuing thread as one bulk prefetch 3 rows ahead, 1.06x.
-  static constexpr bool kLoads = true;
+  static constexpr bool kPrefetch = sizeof(T) == 2;
   __device__ __forceinline__ void prefetch(int64_t i) const { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(dh + i)); }
   template <int PACK>
   __device__ __forceinline__ void operator()(int64_t i, const float (&v)[PACK], const Ahead<PACK>& ahead) const {
@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
         }
       }
     }
-    if constexpr (!AHEAD && S::kLoads && sizeof(T) == 2) {  // after the tile's loads: none waits on these
+    if constexpr (!AHEAD && S::kPrefetch) {  // after the tile's loads: none waits on these
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
@@ -1092,7 +1092,7 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
         dn[k] = Pack<T, PACK>{};
       }
     }
-    if constexpr (S::kLoads && !CLUSTER && sizeof(T) == 2) {  // dh to L2 after the row's loads (StoreDxAddDh)
+    if constexpr (S::kPrefetch && !CLUSTER) {  // dh to L2 after the row's loads (StoreDxAddDh)
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         const int64_t col = (tid + int64_t(k) * span) * PACK;
@@ -1279,7 +1279,7 @@ __global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_k
     if (row + sp.step < a.rows) {
       mean_n = a.rms ? 0.f : a.mean[row + sp.step];
       rstd_n = a.rstd[row + sp.step];
-      if constexpr (S::kLoads) {  // the next row's dh to L2, a row ahead of its store (StoreDxAddDh)
+      if constexpr (S::kPrefetch) {  // the next row's dh to L2, a row ahead of its store (StoreDxAddDh)
 #pragma unroll
         for (int k = 0; k < K; ++k)
           if (tid + int64_t(k) * span < nvec) store.prefetch((row + sp.step) * a.cols + (tid + int64_t(k) * span) * PACK);
