@@ -1862,7 +1862,8 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
   return true;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH>
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH,
+          int ROWS = (WIDTH < 32 ? 2 : 1)>
 cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
   // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
@@ -1870,9 +1871,8 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
     cudaError_t err = cudaSuccess;
     if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
   }
-  // Rows a group (H100, 16-bit, 32-256 columns: 1 and 2 measured within 0.5 µs of each
-  // other, docs/perf-notes.md).
-  constexpr int ROWS = WIDTH < 32 ? 2 : 1;
+  // ROWS rows a group; without the next tile's prefetch (float32, or the knob off) two
+  // below 32 lanes (H100, 16-bit, 32-256 columns: 1 and 2 within 0.5 µs of each other).
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH>;
   const bool partials = wants_param_grads(a);
@@ -1902,16 +1902,19 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
   });
 }
 
-// The next tile is prefetched at one 16-bit pack a lane of 32 lanes, one row a group
-// (256 columns; H100 bf16 backward 1.01-1.03x, LayerNorm 33.3 -> 32.4 µs). It measured
-// slower elsewhere: two rows a group (narrower rows) up to 1.10x, two packs a lane (384-512
-// columns, 118 registers) 1.03-1.06x, float32 0.97-1.00x (knob
-// JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off).
+// At one 16-bit pack a lane (up to 256 columns) the warp's next tile is loaded before the
+// current one is reduced, one row a group. H100 bf16 backward: 256 columns 1.01-1.03x
+// (LayerNorm 33.3 -> 32.4 µs); 32-128 columns, against two rows a group and no prefetch,
+// 1.01-1.15x (RMSNorm 128 19.85 -> 18.4 µs, add_layer_norm 128 24.45 -> 22.25; 93
+// instead of 117 registers there, five blocks an SM instead of four). It measured slower
+// with two rows a group (up to 1.10x), two packs a lane (384-512 columns, 118 registers)
+// 1.03-1.06x, and for float32 0.97-1.00x. JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off
+// (two rows a group below 32 lanes, as before).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  if constexpr (VPT == 1 && WIDTH == 32 && sizeof(T) == 2) {
+  if constexpr (VPT == 1 && sizeof(T) == 2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
-    if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true>(a, stream, plan);
+    if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Device calls of the eighteenth session (issue 20): the measured bounds of the remaining
+# misses, and the item-1 points the seventeenth session did not reach. Stages:
+# bounds (benchmarks/norm_bounds.py kernels: each cuda kernel of a training step next to
+# a copy of its own bytes, BOUND_OPS at BOUND_COLS, bf16, 49152 rows); params
+# (norm_bounds.py params: XLA's affine fusions with float32 / bf16 / no broadcast
+# parameters against our long-row kernels, PARAM_COLS); sweep65536 (add_rms_norm bf16 bwd
+# and fwd_bwd at 8192 x 65536, auto / cuda / flax); sweepf16 (the add+norms in float16,
+# bwd and fwd_bwd at F16_COLS, auto / cuda / flax); tests; sanitize (SAN_ROWS,
+# SAN_COLS, RACE_COLS, all four ops); workspace; narrowab (the group-tier backward at
+# one 16-bit pack a lane and fewer than 32 lanes a row, knob JAX_OPS_NORM_BWD_NARROW_ROWS:
+# 0 two rows a group (main), 1 one row, 2 one row and the next tile loaded ahead; the
+# four ops, bwd and fwd_bwd at NARROW_COLS); ncu128 (ncu of the LayerNorm and RMSNorm
+# backward kernels at 128 columns: instructions, occupancy, DRAM bytes, stalls);
+# tablesnarrow (the table's entries at 32-256 columns re-measured: bf16 for the four ops,
+# f16 for LayerNorm / RMSNorm, merged into TABLE, default the H100's); sweepnarrow (item 1
+# at NARROW_COLS: the four ops, bf16 and f16, fwd / bwd / fwd_bwd, auto / cuda / flax).
+# Usage: bash benchmarks/gpu_issue20_s18.sh stages
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-bounds,params}
+source benchmarks/gpu_stages.sh
+if has bounds; then
+  timeout ${BOUND_TIMEOUT:-330} python3 benchmarks/norm_bounds.py kernels \
+    "${BOUND_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm}" "${BOUND_COLS:-32,64,128,256}" \
+    > "$OUT/bounds.txt" 2>&1
+  grep -E "^[a-z_]+ [0-9]+ \|" "$OUT/bounds.txt" | tee -a "$LOG"
+  stage_done bounds
+fi
+if has params; then
+  timeout ${PARAM_TIMEOUT:-200} python3 benchmarks/norm_bounds.py params "${PARAM_COLS:-16384,65536}" \
+    > "$OUT/params.txt" 2>&1
+  grep -E "^cols|% of its copy" "$OUT/params.txt" | tee -a "$LOG"
+  stage_done params
+fi
+if has sweep65536; then
+  SWEEP_TIMEOUT=${SWEEP65536_TIMEOUT:-200} sweep_stage sweep_add_rms_norm_bf16_65536 --dtype bf16 --rows 8192 \
+    --op add_rms_norm --mode bwd,fwd_bwd --cols 65536
+fi
+if has sweepf16; then
+  SWEEP_TIMEOUT=${SWEEPF16_TIMEOUT:-300} sweep_stage sweep_addnorm_f16 --dtype f16 --rows 49152 \
+    --op add_layer_norm,add_rms_norm --mode bwd,fwd_bwd --cols "${F16_COLS:-128,512,1024,2048,8192}"
+fi
+if has narrowab; then
+  KNOB_TIMEOUT=${KNOB_TIMEOUT:-120} knob_sweep narrowab JAX_OPS_NORM_BWD_NARROW_ROWS "${NARROW_VALUES:-0 1 2 0 1 2}" \
+    --rows 49152 --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode bwd,fwd_bwd --cols "${NARROW_COLS:-32,64,128}"
+fi
+if has ncu128; then
+  M=smsp__inst_executed.sum,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active,gpu__time_duration.sum
+  M=$M,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,launch__grid_size,launch__occupancy_limit_registers
+  M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active
+  for r in long_scoreboard short_scoreboard wait barrier lg_throttle mio_throttle no_instruction; do
+    M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+  done
+  for op in layer_norm rms_norm; do
+    OP=$op timeout 120 ncu --kernel-name regex:bwd_regs_kernel --launch-count 1 --metrics $M \
+      python3 benchmarks/norm_bwd_ncu.py 128 > "$OUT/ncu128_$op.txt" 2>&1
+  done
+  grep -E "inst_exec|registers|warps_active|duration|dram__|lts__|grid_size|occupancy|issue_active|stalled" \
+    "$OUT"/ncu128_*.txt | sed 's/smsp__average_warps_issue_stalled_//' | tee -a "$LOG"
+  stage_done ncu128
+fi
+if has tablesnarrow; then
+  export TABLE=${TABLE:-jax_ops/tables/nvidia_h100_80gb_hbm3.json}
+  table_stage bf16 layer_norm,rms_norm,add_layer_norm,add_rms_norm "${NARROW_COLS:-32,64,128,256}"
+  mv "$OUT/tables.txt" "$OUT/tables_bf16.txt"
+  table_stage f16 layer_norm,rms_norm "${NARROW_COLS:-32,64,128,256}"
+fi
+if has sweepnarrow; then
+  for dt in bf16 f16; do
+    SWEEP_TIMEOUT=${SWEEPNARROW_TIMEOUT:-200} sweep_stage sweep_narrow_$dt --dtype $dt --rows 49152 \
+      --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd,bwd,fwd_bwd --cols "${NARROW_COLS:-32,64,128,256}"
+  done
+fi
+has tests && norm_tests
+if has sanitize; then
+  SAN_OPS=ln,rms,add_ln,add_rms norm_sanitize "${SAN_ROWS:-3001}" "${SAN_COLS:-33,760,1024,2050,4096,8192}" \
+    "${RACE_COLS:-1024,4096}"
+fi
+has workspace && workspace_stage
+finish_call "log|env|bounds|params|tests"
