@@ -14,7 +14,8 @@
 # backward kernels at 128 columns: instructions, occupancy, DRAM bytes, stalls);
 # tablesnarrow (the table's entries at 32-256 columns re-measured: bf16 for the four ops,
 # f16 for LayerNorm / RMSNorm, merged into TABLE, default the H100's); sweepnarrow (item 1
-# at NARROW_COLS: the four ops, bf16 and f16, fwd / bwd / fwd_bwd, auto / cuda / flax).
+# at NARROW_COLS: the four ops, bf16 and f16, fwd / bwd / fwd_bwd, auto / cuda / flax);
+# sannarrow (memcheck and synccheck of the four ops at SAN_COLS, SAN_ROWS rows).
 # Usage: bash benchmarks/gpu_issue20_s18.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -78,4 +79,12 @@ if has sanitize; then
     "${RACE_COLS:-1024,4096}"
 fi
 has workspace && workspace_stage
+if has sannarrow; then  # memcheck and synccheck only, the four ops at narrow widths
+  for tool in memcheck synccheck; do
+    ROWS=${SAN_ROWS:-3001} OPS=ln,rms,add_ln,add_rms timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 \
+      python3 benchmarks/sanitize_norm.py "${SAN_COLS:-1,3,8,31,33,64,127,128,200}" 2>&1; echo "$tool rc $?"
+  done > "$OUT/sannarrow.txt"
+  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sannarrow.txt" | tee -a "$LOG"
+  stage_done sannarrow
+fi
 finish_call "log|env|bounds|params|tests"
