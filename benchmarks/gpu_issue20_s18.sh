@@ -15,7 +15,8 @@
 # tablesnarrow (the table's entries at 32-256 columns re-measured: bf16 for the four ops,
 # f16 for LayerNorm / RMSNorm, merged into TABLE, default the H100's); sweepnarrow (item 1
 # at NARROW_COLS: the four ops, bf16 and f16, fwd / bwd / fwd_bwd, auto / cuda / flax);
-# sannarrow (memcheck and synccheck of the four ops at SAN_COLS, SAN_ROWS rows).
+# sannarrow (memcheck and synccheck of the four ops at SAN_COLS, SAN_ROWS rows);
+# breakdown (kernel_breakdown.py: auto's / cuda's / pallas' kernels in one fwd_bwd).
 # Usage: bash benchmarks/gpu_issue20_s18.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -77,6 +78,12 @@ has tests && norm_tests
 if has sanitize; then
   SAN_OPS=ln,rms,add_ln,add_rms norm_sanitize "${SAN_ROWS:-3001}" "${SAN_COLS:-33,760,1024,2050,4096,8192}" \
     "${RACE_COLS:-1024,4096}"
+fi
+if has breakdown; then  # auto's and cuda's kernels in one fwd_bwd (BD_OP at BD_COLS)
+  MODES=fwd_bwd timeout 150 python3 benchmarks/kernel_breakdown.py ${BD_OP:-layer_norm} bf16 49152 ${BD_COLS:-128} \
+    auto cuda pallas > "$OUT/breakdown.txt" 2>&1
+  cat "$OUT/breakdown.txt" | tee -a "$LOG"
+  stage_done breakdown
 fi
 has workspace && workspace_stage
 if has sannarrow; then  # memcheck and synccheck only, the four ops at narrow widths
