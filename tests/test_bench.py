@@ -86,26 +86,6 @@ def test_table_training_forward_from_step_and_no_stale_xla_entry(tmp_path):
     assert stats["us"] == {"cuda": 70.0, "pallas": 70.0}
 
 
-def test_table_training_forward_timed_alone_beats_the_difference(tmp_path):
-    """--table: where the run times the training forward alone (fwd_res), that time is
-    the fwd_stats entry, for every implementation (xla's too: it is no difference taken
-    next to its own backward); step - bwd only where an implementation has no fwd_res."""
-    from jax_ops.bench.report import Record
-    from jax_ops.bench.tables import write_table
-    path = tmp_path / "t.json"
-    times = {("bwd", "cuda"): 15.0, ("step", "cuda"): 25.0, ("fwd_res", "cuda"): 10.2,
-             ("bwd", "pallas"): 27.7, ("step", "pallas"): 36.8, ("fwd_res", "pallas"): 10.6,
-             ("bwd", "xla"): 30.0, ("step", "xla"): 40.0, ("fwd_res", "xla"): 11.5}
-    recs = [Record("layer_norm", m, "bf16", 49152, 128, impl, "wall", 1, 1, time_us=t)
-            for (m, impl), t in times.items()]
-    recs.append(Record("layer_norm", "step", "bf16", 49152, 64, "cuda", "wall", 1, 1, time_us=20.0))
-    recs.append(Record("layer_norm", "bwd", "bf16", 49152, 64, "cuda", "wall", 1, 1, time_us=12.0))
-    meta = dict(device_kind="cpu", command="test", date="d", git_commit="c", jax_version="j", timer="wall")
-    write_table(path, meta, recs)
-    stats = {e["cols"]: e["us"] for e in json.loads(path.read_text())["entries"] if e["stage"] == "fwd_stats"}
-    assert stats == {128: {"cuda": 10.2, "pallas": 10.6, "xla": 11.5}, 64: {"cuda": 8.0}}
-
-
 def test_rel_err_is_a_relative_norm_not_a_max():
     """One element of many flipped at a ReLU kink must not read as a 100 % error."""
     ref = jnp.ones((1000,), jnp.float32)
