@@ -64,14 +64,16 @@ if has ncu128; then
 fi
 if has tablesnarrow; then
   export TABLE=${TABLE:-jax_ops/tables/nvidia_h100_80gb_hbm3.json}
-  table_stage bf16 layer_norm,rms_norm,add_layer_norm,add_rms_norm "${NARROW_COLS:-32,64,128,256}"
+  table_stage bf16 ${TABLE_BF16_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm} "${NARROW_COLS:-32,64,128,256}"
   mv "$OUT/tables.txt" "$OUT/tables_bf16.txt"
-  table_stage f16 layer_norm,rms_norm "${NARROW_COLS:-32,64,128,256}"
+  [ "${TABLE_F16_OPS:-layer_norm,rms_norm}" != none ] &&
+    table_stage f16 ${TABLE_F16_OPS:-layer_norm,rms_norm} "${NARROW_COLS:-32,64,128,256}"
 fi
 if has sweepnarrow; then
-  for dt in bf16 f16; do
+  for dt in ${NARROW_DTYPES:-bf16 f16}; do
     SWEEP_TIMEOUT=${SWEEPNARROW_TIMEOUT:-200} sweep_stage sweep_narrow_$dt --dtype $dt --rows 49152 \
-      --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd,bwd,fwd_bwd --cols "${NARROW_COLS:-32,64,128,256}"
+      --op ${NARROW_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm} --mode ${NARROW_MODES:-fwd,bwd,fwd_bwd} \
+      --cols "${NARROW_COLS:-32,64,128,256}"
   done
 fi
 has tests && norm_tests
