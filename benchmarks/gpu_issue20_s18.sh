@@ -9,12 +9,15 @@
 # bwd and fwd_bwd at F16_COLS, auto / cuda / flax); tests; sanitize (SAN_ROWS,
 # SAN_COLS, RACE_COLS, all four ops); workspace; narrowab (the group-tier backward at
 # one 16-bit pack a lane and fewer than 32 lanes a row, knob JAX_OPS_NORM_BWD_NARROW_ROWS:
-# 0 two rows a group (main), 1 one row, 2 one row and the next tile loaded ahead; the
-# four ops, bwd and fwd_bwd at NARROW_COLS); ncu128 (ncu of the LayerNorm and RMSNorm
+# 0 two rows a group (then main), 1 one row, 2 one row and the next tile loaded ahead; the
+# four ops, bwd and fwd_bwd at NARROW_COLS; the knob was only in run 2's build: 2 is now
+# the default); ncu128 (ncu of the LayerNorm and RMSNorm
 # backward kernels at 128 columns: instructions, occupancy, DRAM bytes, stalls);
-# tablesnarrow (the table's entries at 32-256 columns re-measured: bf16 for the four ops,
-# f16 for LayerNorm / RMSNorm, merged into TABLE, default the H100's); sweepnarrow (item 1
-# at NARROW_COLS: the four ops, bf16 and f16, fwd / bwd / fwd_bwd, auto / cuda / flax);
+# tablesnarrow (the table's entries at 32-256 columns re-measured: bf16 for the four ops
+# or TABLE_BF16_OPS, f16 for LayerNorm / RMSNorm or TABLE_F16_OPS (none: skipped), with
+# gpu_tables.sh's TABLE_MODES, merged into TABLE, default the H100's); sweepnarrow (item 1
+# at NARROW_COLS: NARROW_OPS (the four), NARROW_DTYPES (bf16 f16), NARROW_MODES (fwd /
+# bwd / fwd_bwd), auto / cuda / flax);
 # sannarrow (memcheck and synccheck of the four ops at SAN_COLS, SAN_ROWS rows);
 # breakdown (kernel_breakdown.py: auto's / cuda's / pallas' kernels in one fwd_bwd).
 # Usage: bash benchmarks/gpu_issue20_s18.sh stages

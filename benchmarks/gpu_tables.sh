@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call (issue 20): re-measure the dispatch table's entries of some ops for one
 # dtype (cuda, pallas, xla; fwd, bwd, step: the training forward is step - bwd), one op at
-# a time merged into jax_ops/tables/<gpu>.json (TABLE_MODES: add fwd_res to time the training
-# forward alone) (a timeout loses one op, not the run),
+# a time merged into jax_ops/tables/<gpu>.json (a timeout loses one op, not the run;
+# TABLE_MODES replaces the modes fwd,bwd,step),
 # the table copied to $OUT. Usage: bash benchmarks/gpu_tables.sh f16|f32 [ops] [cols]
 set -uo pipefail
 source benchmarks/gpu_extension.sh

@@ -1906,10 +1906,10 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
 // current one is reduced, one row a group. H100 bf16 backward: 256 columns 1.01-1.03x
 // (LayerNorm 33.3 -> 32.4 µs); 32-128 columns, against two rows a group and no prefetch,
 // 1.01-1.15x (RMSNorm 128 19.85 -> 18.4 µs, add_layer_norm 128 24.45 -> 22.25; 93
-// instead of 117 registers there, five blocks an SM instead of four). It measured slower
-// with two rows a group (up to 1.10x), two packs a lane (384-512 columns, 118 registers)
-// 1.03-1.06x, and for float32 0.97-1.00x. JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off
-// (two rows a group below 32 lanes, as before).
+// instead of 117 registers there, five blocks an SM instead of four). The prefetch
+// measured slower with two rows a group (up to 1.10x), with two packs a lane (384-512
+// columns, 118 registers: 1.03-1.06x) and for float32 (0.97-1.00x).
+// JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off (then two rows a group below 32 lanes).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
