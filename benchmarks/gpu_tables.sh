@@ -2,7 +2,8 @@
 # One device call (issue 20): re-measure the dispatch table's entries of some ops for one
 # dtype (cuda, pallas, xla; fwd, bwd, step: the training forward is step - bwd), one op at
 # a time merged into jax_ops/tables/<gpu>.json (a timeout loses one op, not the run;
-# TABLE_MODES replaces the modes fwd,bwd,step),
+# TABLE_MODES replaces the modes fwd,bwd,step; with fwd_res cuda's and pallas' training
+# forward is timed alone),
 # the table copied to $OUT. Usage: bash benchmarks/gpu_tables.sh f16|f32 [ops] [cols]
 set -uo pipefail
 source benchmarks/gpu_extension.sh

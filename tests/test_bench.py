@@ -18,19 +18,26 @@ needs_relu = pytest.mark.skipif(not hasattr(jax_ops, "relu"), reason="jax_ops.re
 
 
 @needs_relu
-def test_fwd_res_returns_the_residuals_the_backward_uses(tmp_path):
-    """fwd_res times jax.vjp's forward: y and the VJP (its residuals), which the
-    backward of the same implementation then consumes to give the right gradient."""
+def test_fwd_res_returns_the_residuals_the_forward_writes(tmp_path):
+    """fwd_res times jax.vjp's forward: y and the residuals of the VJP the backward of
+    the same implementation consumes, but not those that are the inputs themselves (the
+    forward writes nothing for them; returned, they would be copied)."""
     (x, params, dy) = bench.make_sets("relu", jnp.bfloat16, 64, 96, 1, True, seed=3)[0]
     fn = bench.make_op("relu", "xla", jnp.bfloat16)
     (args,) = bench.mode_args(fn, "fwd_res", [(x, params, dy)])
-    y, vjp_fn = jax.jit(bench.per_set_fn(fn, "fwd_res"))(*args)
+    y, res = jax.jit(bench.per_set_fn(fn, "fwd_res"))(*args)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.maximum(np.asarray(x, np.float32), 0))
-    (dx,) = vjp_fn(dy)[:1]
-    expect = np.where(np.asarray(x, np.float32) > 0, np.asarray(dy, np.float32), 0)
-    np.testing.assert_array_equal(np.asarray(dx, np.float32), expect)
-    # A residual (the packed mask) is part of what the mode returns, so it is written.
-    assert any(leaf.dtype == jnp.uint32 for leaf in jax.tree.leaves(vjp_fn))
+    _, vjp_fn = jax.vjp(fn, x, *params)
+    kept = jax.tree.leaves(vjp_fn)
+    # The packed mask is the residual, so it is written, and it is the VJP's own.
+    (mask,) = [r for r in res if r.dtype == jnp.uint32]
+    assert any(k.dtype == jnp.uint32 and np.array_equal(np.asarray(k), np.asarray(mask)) for k in kept)
+    # layer_norm keeps x, scale (inputs: left out), mean and rstd (written: returned).
+    (xn, norm_params, _) = bench.make_sets("layer_norm", jnp.float32, 16, 40, 1, True, seed=3)[0]
+    norm = bench.make_op("layer_norm", "cuda", jnp.float32)
+    _, res = jax.jit(bench.per_set_fn(norm, "fwd_res"))(xn, norm_params)
+    assert [(r.shape, r.dtype) for r in res] == [((16,), jnp.float32)] * 2
+    np.testing.assert_allclose(np.asarray(res[0]), np.asarray(xn, np.float64).mean(-1), rtol=1e-5, atol=1e-6)
 
     out = tmp_path / "r.json"
     assert bench.main(["--op", "relu", "--rows", "64", "--cols", "96", "--mode", "fwd,fwd_res,bwd",
@@ -84,6 +91,26 @@ def test_table_training_forward_from_step_and_no_stale_xla_entry(tmp_path):
     entries = json.loads(path.read_text())["entries"]
     (stats,) = [e for e in entries if e["stage"] == "fwd_stats"]
     assert stats["us"] == {"cuda": 70.0, "pallas": 70.0}
+
+
+def test_table_training_forward_timed_alone_beats_the_difference(tmp_path):
+    """--table: where the run times a kernel implementation's training forward alone
+    (fwd_res), that time is its fwd_stats entry; step - bwd where it has none, and for
+    xla (its fwd_res writes residuals its own step fuses away)."""
+    from jax_ops.bench.report import Record
+    from jax_ops.bench.tables import write_table
+    path = tmp_path / "t.json"
+    times = {("bwd", "cuda"): 15.0, ("step", "cuda"): 25.0, ("fwd_res", "cuda"): 10.2,
+             ("bwd", "pallas"): 27.7, ("step", "pallas"): 36.8, ("fwd_res", "pallas"): 10.6,
+             ("bwd", "xla"): 14.0, ("step", "xla"): 40.0, ("fwd_res", "xla"): 11.5}
+    recs = [Record("layer_norm", m, "bf16", 49152, 128, impl, "wall", 1, 1, time_us=t)
+            for (m, impl), t in times.items()]
+    recs.append(Record("layer_norm", "step", "bf16", 49152, 64, "cuda", "wall", 1, 1, time_us=20.0))
+    recs.append(Record("layer_norm", "bwd", "bf16", 49152, 64, "cuda", "wall", 1, 1, time_us=12.0))
+    meta = dict(device_kind="cpu", command="test", date="d", git_commit="c", jax_version="j", timer="wall")
+    write_table(path, meta, recs)
+    stats = {e["cols"]: e["us"] for e in json.loads(path.read_text())["entries"] if e["stage"] == "fwd_stats"}
+    assert stats == {128: {"cuda": 10.2, "pallas": 10.6, "xla": 26.0}, 64: {"cuda": 8.0}}
 
 
 def test_rel_err_is_a_relative_norm_not_a_max():

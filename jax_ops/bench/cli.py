@@ -53,10 +53,13 @@ Modes ("--mode"), per input set (x, params, dy):
            fwd_bwd, XLA may fuse the backward's row sums over dy into the forward's
            pass over x (seen for the flax norms at >= 16384 columns: 5.6X where two
            passes need 5X); no model can, so step is the baseline's cost in a model.
-  fwd_res  y, vjp_fn = jax.vjp(op, x, *params), returning both: the forward of a training
-           step, which writes the residuals the backward keeps (jax.nn.relu: a bool
-           per element; ours: 1 bit). fwd + bwd understates the baselines' training
-           cost where their plain forward writes no residual; fwd_res + bwd does not.
+  fwd_res  y, vjp_fn = jax.vjp(op, x, *params), returning y and vjp_fn's residuals: the
+           forward of a training step, which writes the residuals the backward keeps
+           (jax.nn.relu: a bool per element; ours: 1 bit; the norms: the row
+           statistics). Residuals that are the inputs themselves (x, scale) are left
+           out: the forward writes nothing for them, and returning them from the timed
+           call would copy them. fwd + bwd understates the baselines' training cost
+           where their plain forward writes no residual; fwd_res + bwd does not.
 
 Minimum bytes per call ("min_bytes"; effective GB/s = min_bytes / time). With
   X = rows * cols * itemsize(x)      one activation-sized array (x, y, dy or dx)

@@ -17,8 +17,8 @@ from jax_ops.bench.specs import DTYPES, KERNEL_IMPLS, specs
 def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
     """Merges this run's fwd/bwd times of cuda/pallas/xla into dispatch table `path`.
 
-    Each op writes the stages of its spec's table_stages: the norms fwd, bwd and the
-    derived fwd_stats; softmax and log_softmax fwd and bwd (their training forward is
+    Each op writes the stages of its spec's table_stages: the norms fwd, bwd and
+    fwd_stats (cuda's / pallas' fwd_res time where the run has it, else step - bwd); softmax and log_softmax fwd and bwd (their training forward is
     the inference forward); softmax_mask its fwd as softmax's "fwd_mask" stage (the
     choice for masked and causal calls; their backward is the unmasked one);
     softmax_causal nothing (benchmarked for the masked / unmasked ratio)."""
@@ -52,10 +52,22 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
         shape = (op, dtype, rows, cols)
         if mode == "bwd" and us < timed.get((op, mode, dtype, rows, cols, fastest_bwd.get(shape)), math.inf):
             fastest_bwd[shape] = impl
+    # A kernel implementation's training forward timed alone ("fwd_res": y and the
+    # residuals it writes) is preferred to a difference: step - bwd also counts what its
+    # own backward costs more or less in a step than alone (H100, bf16 LayerNorm at 128
+    # columns: pallas' step - bwd 9.1 us against its forward kernel's 10.6-10.8 in a step,
+    # cuda's 10.2; the automatic choice of pallas' made fwd_bwd 0.98x of cuda's). Not
+    # xla's: its fwd_res writes residuals that its own step fuses away.
+    direct = {(op, dtype, rows, cols, impl): us for (op, mode, dtype, rows, cols, impl), us in timed.items()
+              if mode == "fwd_res" and impl != "xla" and "fwd_stats" in all_specs[op].table_stages}
+    for (op, dtype, rows, cols, impl), us in direct.items():
+        new.setdefault((op, "fwd_stats", jnp.dtype(DTYPES[dtype]).name, rows, cols), {})[impl] = round(us, 3)
     # "step" (dy only after y, as in a model) is preferred to fwd_bwd where the run has it.
     stale = set()  # xla training forwards that an older run measured beside a slower backward
     for (op, mode, dtype, rows, cols, impl), us in timed.items():
         if "fwd_stats" not in all_specs[op].table_stages or mode not in ("fwd_bwd", "step"):
+            continue
+        if (op, dtype, rows, cols, impl) in direct:
             continue
         if mode == "fwd_bwd" and (op, "step", dtype, rows, cols, impl) in timed:
             continue

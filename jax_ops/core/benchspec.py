@@ -33,7 +33,8 @@ class BenchSpec:
     num_params: float32 parameter vectors in params.
     epsilon: passed to every implementation (recorded in the JSON metadata).
     table_stages: the dispatch-table stages `--table` writes ("fwd", "bwd",
-      "fwd_stats": the training forward, step - bwd, else fwd_bwd - bwd).
+      "fwd_stats": the training forward: fwd_res for cuda / pallas where timed, else
+      step - bwd, else fwd_bwd - bwd).
     table_alias: (op, stage): its fwd time is also written as that op's stage
       (softmax_mask -> ("softmax", "fwd_mask")).
     unmasked: for a masked variant, the op its time is compared with (masked/unmasked).

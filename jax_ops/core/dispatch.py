@@ -13,7 +13,8 @@ static shapes, in this order:
    its width, gives each implementation's time (between two measured widths of that
    dtype, interpolated in log cols); the fastest one that supports the call wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
-   statistics; timed as step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
+   statistics; timed alone (fwd_res) for cuda / pallas where the run did, else as
+   step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
    (masked or causal softmax) and "bwd"; a stage without entries falls back to the
    plain stage's. An op this GPU's table has no entries for (added after its run) uses
    the table of a GPU of the same compute capability that has them (H200 <- H100; the
