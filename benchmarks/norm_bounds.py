@@ -19,6 +19,7 @@ dx = dy * scale + x (the backward's streams), measured next to the 2X / 3X copie
 LayerNorm / RMSNorm kernels, shows what streaming a row past L2-resident float32 parameters
 costs any row-at-a-time kernel on this GPU.
 """
+import functools
 import importlib.util
 import os
 import sys
@@ -37,7 +38,9 @@ PARAM_MB = int(os.environ.get("PARAM_ROWS_MB", 512))
 REPEATS = 5
 
 
+@functools.cache
 def _breakdown():
+    """benchmarks/kernel_breakdown.py as a module (loaded once)."""
     path = os.path.join(os.path.dirname(__file__), "kernel_breakdown.py")
     mod_spec = importlib.util.spec_from_file_location("kernel_breakdown", path)
     mod = importlib.util.module_from_spec(mod_spec)
@@ -64,7 +67,8 @@ def kernel_kind(name: str) -> str:
 
 
 def structure_bytes(op: str, rows: int, cols: int, itemsize: int) -> dict[str, int]:
-    """Bytes each cuda kernel must move (read + written) in a training step."""
+    """Bytes each cuda kernel must move (read + written) in a training step (the
+    parameter vectors left out), and the backward's partial rows P they count."""
     rms, add = "rms" in op, op.startswith("add_")
     arrays = 1 if rms else 2                     # dscale[, dbias] partials
     stats = (1 if rms else 2) * 4 * rows         # float32 rstd[, mean] a row

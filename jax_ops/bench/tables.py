@@ -18,8 +18,9 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
     """Merges this run's fwd/bwd times of cuda/pallas/xla into dispatch table `path`.
 
     Each op writes the stages of its spec's table_stages: the norms fwd, bwd and
-    fwd_stats (cuda's / pallas' fwd_res time where the run has it, else step - bwd); softmax and log_softmax fwd and bwd (their training forward is
-    the inference forward); softmax_mask its fwd as softmax's "fwd_mask" stage (the
+    fwd_stats (cuda's / pallas' fwd_res time where the run has it, else step - bwd);
+    softmax and log_softmax fwd and bwd (their training forward is the inference
+    forward); softmax_mask its fwd as softmax's "fwd_mask" stage (the
     choice for masked and causal calls; their backward is the unmasked one);
     softmax_causal nothing (benchmarked for the masked / unmasked ratio)."""
     path = Path(path)
