@@ -17,6 +17,28 @@ from jax_ops import bench
 needs_relu = pytest.mark.skipif(not hasattr(jax_ops, "relu"), reason="jax_ops.relu is not importable")
 
 
+@pytest.mark.parametrize("impl", ["cuda", "pallas", "xla"])
+def test_fwd_res_leaves_out_residuals_that_are_inputs_or_outputs(impl):
+    """fwd_res returns y and the residuals the forward writes besides y: layer_norm's VJP
+    keeps x and scale (inputs), add_layer_norm's also h (an output); returned again they
+    would be copied inside the timed call. What stays is each norm's mean and rstd."""
+    (xn, norm_params, _) = bench.make_sets("layer_norm", jnp.float32, 16, 40, 1, True, seed=3)[0]
+    norm = bench.make_op("layer_norm", impl, jnp.float32)
+    _, res = jax.jit(bench.per_set_fn(norm, "fwd_res"))(xn, norm_params)
+    assert [(r.shape, r.dtype) for r in res] == [((16,), jnp.float32)] * 2
+    np.testing.assert_allclose(np.asarray(res[0]), np.asarray(xn, np.float64).mean(-1), rtol=1e-5, atol=1e-6)
+
+    (xa, add_params, _) = bench.make_sets("add_layer_norm", jnp.bfloat16, 16, 40, 1, True, seed=4)[0]
+    add_norm = bench.make_op("add_layer_norm", impl, jnp.bfloat16)
+    (y, h), res = jax.jit(bench.per_set_fn(add_norm, "fwd_res"))(xa, add_params)
+    _, vjp_fn = jax.vjp(add_norm, xa, *add_params)
+    assert any(k.shape == h.shape and k.dtype == h.dtype for k in jax.tree.leaves(vjp_fn))  # h is kept...
+    assert [(r.shape, r.dtype) for r in res] == [((16,), jnp.float32)] * 2  # ...but not returned again
+    h_ref = np.asarray(xa, np.float64) + np.asarray(add_params[0], np.float64)
+    np.testing.assert_allclose(np.asarray(res[0]), h_ref.astype(jnp.bfloat16).astype(np.float64).mean(-1),
+                               rtol=1e-4, atol=1e-4)
+
+
 @needs_relu
 def test_fwd_res_returns_the_residuals_the_forward_writes(tmp_path):
     """fwd_res times jax.vjp's forward: y and the residuals of the VJP the backward of
@@ -32,12 +54,6 @@ def test_fwd_res_returns_the_residuals_the_forward_writes(tmp_path):
     # The packed mask is the residual, so it is written, and it is the VJP's own.
     (mask,) = [r for r in res if r.dtype == jnp.uint32]
     assert any(k.dtype == jnp.uint32 and np.array_equal(np.asarray(k), np.asarray(mask)) for k in kept)
-    # layer_norm keeps x, scale (inputs: left out), mean and rstd (written: returned).
-    (xn, norm_params, _) = bench.make_sets("layer_norm", jnp.float32, 16, 40, 1, True, seed=3)[0]
-    norm = bench.make_op("layer_norm", "cuda", jnp.float32)
-    _, res = jax.jit(bench.per_set_fn(norm, "fwd_res"))(xn, norm_params)
-    assert [(r.shape, r.dtype) for r in res] == [((16,), jnp.float32)] * 2
-    np.testing.assert_allclose(np.asarray(res[0]), np.asarray(xn, np.float64).mean(-1), rtol=1e-5, atol=1e-6)
 
     out = tmp_path / "r.json"
     assert bench.main(["--op", "relu", "--rows", "64", "--cols", "96", "--mode", "fwd,fwd_res,bwd",
