@@ -30,7 +30,7 @@ def test_fwd_res_leaves_out_residuals_that_are_inputs_or_outputs(impl):
 
     (xa, add_params, _) = bench.make_sets("add_layer_norm", jnp.bfloat16, 16, 40, 1, True, seed=4)[0]
     add_norm = bench.make_op("add_layer_norm", impl, jnp.bfloat16)
-    (y, h), res = jax.jit(bench.per_set_fn(add_norm, "fwd_res"))(xa, add_params)
+    (_, h), res = jax.jit(bench.per_set_fn(add_norm, "fwd_res"))(xa, add_params)
     _, vjp_fn = jax.vjp(add_norm, xa, *add_params)
     assert any(k.shape == h.shape and k.dtype == h.dtype for k in jax.tree.leaves(vjp_fn))  # h is kept...
     assert [(r.shape, r.dtype) for r in res] == [((16,), jnp.float32)] * 2  # ...but not returned again
