@@ -14,6 +14,7 @@
 # ncufwd (ncu of the smem-cached cluster forward at 4096 x 65536, LayerNorm / RMSNorm:
 # stalls, DRAM / L2 / L1 throughput); ncul2 (benchmarks/norm_fwd_l2_ncu.py under ncu: L2
 # and L1 traffic of XLA's x * s + b against our LayerNorm / RMSNorm forwards there);
+# ncubwd (ncu of the 65536-column backward, bwd_cluster_smem_kernel, 4096 rows);
 # sanitize (memcheck / synccheck / racecheck at SAN_COLS, SAN_ROWS rows, LayerNorm /
 # RMSNorm); racenarrow (racecheck of the four ops at RACE_NARROW_COLS, SAN_ROWS rows);
 # tests; tablesnarrow (the table's NARROW_OPS (LayerNorm / RMSNorm) NARROW_DT (bf16)
@@ -82,6 +83,23 @@ if has ncufwd; then  # ncu of the cluster forward (the first launch) at 4096 x 6
     "$OUT"/ncufwd_*.txt | sed 's/smsp__average_warps_issue_stalled_//' | tee -a "$LOG"
   stage_done ncufwd
 fi
+if has ncubwd; then  # ncu of the 65536-column backward (bwd_cluster_smem_kernel), LayerNorm and RMSNorm, 4096 rows
+  M=smsp__inst_executed.sum,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active,gpu__time_duration.sum
+  M=$M,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,launch__grid_size,launch__cluster_dim_x
+  M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed
+  M=$M,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active
+  M=$M,sm__cycles_active.avg,gpc__cycles_elapsed.max,launch__shared_mem_per_block_dynamic
+  for r in long_scoreboard short_scoreboard wait barrier membar lg_throttle mio_throttle no_instruction sleeping; do
+    M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+  done
+  for op in layer_norm rms_norm; do
+    OP=$op ROWS=4096 timeout 120 ncu --kernel-name regex:bwd_cluster_smem_kernel --launch-count 1 --metrics $M \
+      python3 benchmarks/norm_bwd_ncu.py 65536 > "$OUT/ncubwd_$op.txt" 2>&1
+  done
+  grep -E "inst_exec|registers|warps_active|duration|dram__|lts__|grid_size|cluster_dim|l1tex|issue_active|stalled|cycles|shared_mem" \
+    "$OUT"/ncubwd_*.txt | sed 's/smsp__average_warps_issue_stalled_//' | tee -a "$LOG"
+  stage_done ncubwd
+fi
 if has ncul2; then  # where the parameters' bytes come from: XLA's x * s + b against our forwards (4096 x 65536)
   M=gpu__time_duration.sum,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
   M=$M,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
@@ -116,4 +134,4 @@ if has sweeplong; then
   SWEEP_TIMEOUT=200 sweep_stage sweep_long_bf16 --dtype bf16 --rows 4096 --op ${LONG_OPS:-layer_norm,rms_norm} \
     --mode fwd,bwd,fwd_bwd --cols 65536
 fi
-finish_call "log|env|fwdab|fwdf32|cfgcheck|halfab|halfab_add|racenarrow|tests"
+finish_call "log|env|fwdab|fwdf32|cfgcheck|halfab|halfab_add|racenarrow|ncubwd_layer_norm|tests"
