@@ -66,40 +66,30 @@ if has cfgcheck; then
   grep -E "^== |rc [0-9]|MISMATCH|worst" "$OUT/cfgcheck.txt" | tee -a "$LOG"
   stage_done cfgcheck
 fi
-if has ncufwd; then  # ncu of the cluster forward (the first launch) at 4096 x 65536, LayerNorm and RMSNorm
+# ncu of one cuda kernel (the first launch matching KERNEL) of LayerNorm and RMSNorm at
+# 4096 x 65536 bf16 (benchmarks/norm_bwd_ncu.py runs the forward, then the backward):
+# stalls, DRAM / L2 / L1 throughput, to $OUT/NAME_OP.txt and the log: ncu_65536 NAME KERNEL
+ncu_65536() {
+  local name=$1 kernel=$2 op r M
   M=smsp__inst_executed.sum,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active,gpu__time_duration.sum
   M=$M,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,launch__grid_size,launch__cluster_dim_x
   M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum
   M=$M,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_active
   M=$M,smsp__issue_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct
+  M=$M,sm__cycles_active.avg,gpc__cycles_elapsed.max,launch__shared_mem_per_block_dynamic
   for r in long_scoreboard short_scoreboard wait barrier membar lg_throttle mio_throttle no_instruction math_pipe_throttle sleeping; do
     M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
   done
   for op in layer_norm rms_norm; do
-    OP=$op ROWS=4096 timeout 120 ncu --kernel-name regex:fwd_block_kernel --launch-count 1 --metrics $M \
-      python3 benchmarks/norm_bwd_ncu.py 65536 > "$OUT/ncufwd_$op.txt" 2>&1
-  done
-  grep -E "inst_exec|registers|warps_active|duration|dram__|lts__|grid_size|cluster_dim|l1tex|issue_active|stalled" \
-    "$OUT"/ncufwd_*.txt | sed 's/smsp__average_warps_issue_stalled_//' | tee -a "$LOG"
-  stage_done ncufwd
-fi
-if has ncubwd; then  # ncu of the 65536-column backward (bwd_cluster_smem_kernel), LayerNorm and RMSNorm, 4096 rows
-  M=smsp__inst_executed.sum,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active,gpu__time_duration.sum
-  M=$M,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,launch__grid_size,launch__cluster_dim_x
-  M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed
-  M=$M,l1tex__throughput.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active
-  M=$M,sm__cycles_active.avg,gpc__cycles_elapsed.max,launch__shared_mem_per_block_dynamic
-  for r in long_scoreboard short_scoreboard wait barrier membar lg_throttle mio_throttle no_instruction sleeping; do
-    M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
-  done
-  for op in layer_norm rms_norm; do
-    OP=$op ROWS=4096 timeout 120 ncu --kernel-name regex:bwd_cluster_smem_kernel --launch-count 1 --metrics $M \
-      python3 benchmarks/norm_bwd_ncu.py 65536 > "$OUT/ncubwd_$op.txt" 2>&1
+    OP=$op ROWS=4096 timeout 120 ncu --kernel-name regex:$kernel --launch-count 1 --metrics $M \
+      python3 benchmarks/norm_bwd_ncu.py 65536 > "$OUT/${name}_$op.txt" 2>&1
   done
   grep -E "inst_exec|registers|warps_active|duration|dram__|lts__|grid_size|cluster_dim|l1tex|issue_active|stalled|cycles|shared_mem" \
-    "$OUT"/ncubwd_*.txt | sed 's/smsp__average_warps_issue_stalled_//' | tee -a "$LOG"
-  stage_done ncubwd
-fi
+    "$OUT/${name}"_*.txt | sed 's/smsp__average_warps_issue_stalled_//' | tee -a "$LOG"
+  stage_done "$name"
+}
+has ncufwd && ncu_65536 ncufwd fwd_block_kernel
+has ncubwd && ncu_65536 ncubwd bwd_cluster_smem_kernel
 if has ncul2; then  # where the parameters' bytes come from: XLA's x * s + b against our forwards (4096 x 65536)
   M=gpu__time_duration.sum,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
   M=$M,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum
