@@ -28,23 +28,27 @@ STAGES=${1:-fwdab}
 source benchmarks/gpu_stages.sh
 CFGS=${FWD_CFGS:-0:4 2:4 3:4 2:2 3:2}
 cfg_env() { echo "JAX_OPS_NORM_FWD_CLUSTER_STAGES=${1%:*} JAX_OPS_NORM_FWD_CLUSTER_PACKS=${1#*:}"; }
+# norm_bounds.py params at 4096 x 65536 once per environment setting (each argument: a
+# space-separated list of VAR=value), to $OUT/NAME.txt and the log: params_ab NAME SETTING...
+params_ab() {
+  local name=$1 e
+  shift
+  for e in "$@"; do
+    echo "== $e"
+    env $e PARAM_ROWS_MB=512 timeout 90 python3 benchmarks/norm_bounds.py params 65536 2>&1 | grep -E "cuda|copy"
+  done > "$OUT/$name.txt" 2>&1
+  grep -E "^== |cuda" "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
+}
 if has fwdab; then
-  for c in $CFGS $(echo $CFGS | tr ' ' '\n' | tac); do
-    echo "== $c"
-    env $(cfg_env $c) PARAM_ROWS_MB=512 timeout 90 python3 benchmarks/norm_bounds.py params 65536 2>&1 |
-      grep -E "cuda|copy"
-  done > "$OUT/fwdab.txt" 2>&1
-  grep -E "^== |cuda" "$OUT/fwdab.txt" | tee -a "$LOG"
-  stage_done fwdab
+  settings=()
+  for c in $CFGS $(echo $CFGS | tr ' ' '\n' | tac); do settings+=("$(cfg_env $c)"); done
+  params_ab fwdab "${settings[@]}"
 fi
 if has halfab; then  # the cluster forward's 16-bit rows in packs of 4 / 8 (knob JAX_OPS_NORM_FWD_CLUSTER_HALF_PACK)
-  for v in ${HALF_VALUES:-0 1 1 0}; do
-    echo "== JAX_OPS_NORM_FWD_CLUSTER_HALF_PACK=$v"
-    env JAX_OPS_NORM_FWD_CLUSTER_HALF_PACK=$v PARAM_ROWS_MB=512 timeout 90 python3 benchmarks/norm_bounds.py params 65536 2>&1 |
-      grep -E "cuda|copy"
-  done > "$OUT/halfab.txt" 2>&1
-  grep -E "^== |cuda" "$OUT/halfab.txt" | tee -a "$LOG"
-  stage_done halfab
+  settings=()
+  for v in ${HALF_VALUES:-0 1 1 0}; do settings+=("JAX_OPS_NORM_FWD_CLUSTER_HALF_PACK=$v"); done
+  params_ab halfab "${settings[@]}"
   KNOB_TIMEOUT=150 knob_sweep halfab_add JAX_OPS_NORM_FWD_CLUSTER_HALF_PACK "${HALF_ADD_VALUES:-1 2 2 1}" \
     --rows 4096 --op add_layer_norm,add_rms_norm --mode fwd,fwd_bwd --cols 65536
 fi
