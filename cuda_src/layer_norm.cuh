@@ -703,35 +703,64 @@ __global__ void fwd_block_kernel(typename L::Args a) {
 // --------------------------------------------------------------- backward ---
 
 // The dscale/dbias partials of a block of row groups (WIDTH lanes a row, packs v * WIDTH +
-// glane of every row): each group's register sums go to shared memory `red` ([2][groups
-// per block][cols] floats), then are added in group order into row blockIdx of the
-// workspace. Launched in a cluster only to merge its blocks' partials
-// (bwd_group_merge_blocks): each block's sums go to row 0 of its buffers (a column is
-// read and rewritten by the same thread), then block rank r adds every cs-th run of
-// kRegsThreads columns over the cluster's blocks in rank order, into row blockIdx / cs.
-template <int PACK, int VPT, int WIDTH>
-__device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, const float (&ds)[VPT * PACK],
-                                                         const float (&db)[VPT * PACK], float* red, float* part_ds,
+// glane of every row). A warp's groups hold the same columns: their sums are first added
+// across the warp (a fixed xor tree, the same value in every lane), then each warp's go
+// to shared memory `red` ([2][warps][cols] floats), are added in warp order (in runs
+// first where the block has more threads than columns to add) into row blockIdx of the
+// workspace. Every thread of the block calls it. Launched in a cluster only to merge its
+// blocks' partials (bwd_group_merge_blocks): each block's sums go to row 0 of its buffers
+// (a column is read and rewritten by the same thread), then block rank r adds every
+// cs-th run of THREADS columns over the cluster's blocks in rank order, into row
+// blockIdx / cs.
+template <int PACK, int VPT, int WIDTH, int THREADS = kRegsThreads>
+__device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float (&ds)[VPT * PACK],
+                                                         float (&db)[VPT * PACK], float* red, float* part_ds,
                                                          float* part_db) {
-  constexpr int GROUPS_PER_BLOCK = kRegsThreads / WIDTH;
-  const int gb = threadIdx.x / WIDTH, glane = threadIdx.x % WIDTH;
+  constexpr int N = VPT * PACK, WARPS = THREADS / 32;
+  static_assert(WIDTH <= 32 && THREADS % 32 == 0, "groups within a warp");
+  const int warp = threadIdx.x / 32, glane = threadIdx.x % WIDTH;
+#pragma unroll
+  for (int off = WIDTH; off < 32; off *= 2)
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      ds[i] += __shfl_xor_sync(0xffffffffu, ds[i], off);
+      db[i] += __shfl_xor_sync(0xffffffffu, db[i], off);
+    }
   float* red_ds = red;
-  float* red_db = red + GROUPS_PER_BLOCK * a.cols;
+  float* red_db = red + WARPS * a.cols;
+  if (int(threadIdx.x % 32) < WIDTH) {
 #pragma unroll
-  for (int v = 0; v < VPT; ++v) {
-    const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-    if (col >= a.cols) continue;
+    for (int v = 0; v < VPT; ++v) {
+      const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+      if (col >= a.cols) continue;
 #pragma unroll
-    for (int k = 0; k < PACK; ++k) {
-      red_ds[gb * a.cols + col + k] = ds[v * PACK + k];
-      red_db[gb * a.cols + col + k] = db[v * PACK + k];
+      for (int k = 0; k < PACK; ++k) {
+        red_ds[warp * a.cols + col + k] = ds[v * PACK + k];
+        red_db[warp * a.cols + col + k] = db[v * PACK + k];
+      }
     }
   }
   __syncthreads();
   const int cs = launched_cluster_size();
-  for (int64_t col = threadIdx.x; col < a.cols; col += kRegsThreads) {
+  // Bigger blocks: runs of `per` warp rows, each summed into its first row first, with
+  // (run, column, array) items over the block's threads.
+  int per = 1;
+  if constexpr (THREADS > kRegsThreads) {
+    const int cols = int(a.cols), items = 2 * cols;
+    const int runs = THREADS / items < 1 ? 1 : (THREADS / items > WARPS ? WARPS : THREADS / items);
+    per = runs > 1 ? (WARPS + runs - 1) / runs : 1;  // one run: the warp rows as they are
+    for (int i = threadIdx.x; runs > 1 && i < items * runs; i += THREADS) {
+      const int item = i % items, w0 = (i / items) * per, w1 = w0 + per < WARPS ? w0 + per : WARPS;
+      float* base = red + item + (item >= cols ? (WARPS - 1) * cols : 0);
+      float sum = 0.f;
+      for (int w = w0; w < w1; ++w) sum += base[w * cols];
+      if (w0 < w1) base[w0 * cols] = sum;
+    }
+    __syncthreads();
+  }
+  for (int64_t col = threadIdx.x; col < a.cols; col += THREADS) {
     float s_ds = 0.f, s_db = 0.f;
-    for (int j = 0; j < GROUPS_PER_BLOCK; ++j) { s_ds += red_ds[j * a.cols + col]; s_db += red_db[j * a.cols + col]; }
+    for (int w = 0; w < WARPS; w += per) { s_ds += red_ds[w * a.cols + col]; s_db += red_db[w * a.cols + col]; }
     if (cs > 1) {
       red_ds[col] = s_ds;
       red_db[col] = s_db;
@@ -743,13 +772,12 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, const
   if (cs == 1) return;
   cluster_sync();  // every block's sums are visible to the cluster
   const int64_t part = int64_t(blockIdx.x) / cs;
-  for (int64_t col = int64_t(cluster_rank()) * kRegsThreads + threadIdx.x; col < a.cols;
-       col += int64_t(cs) * kRegsThreads) {
+  for (int64_t col = int64_t(cluster_rank()) * THREADS + threadIdx.x; col < a.cols; col += int64_t(cs) * THREADS) {
     float s_ds = 0.f, s_db = 0.f;
     for (int q = 0; q < cs; ++q) {
       const float* other = cluster_map(red, q);
       s_ds += other[col];
-      s_db += other[GROUPS_PER_BLOCK * a.cols + col];
+      s_db += other[WARPS * a.cols + col];
     }
     if (part_ds) part_ds[part * a.cols + col] = s_ds;
     if (part_db) part_db[part * a.cols + col] = s_db;
@@ -847,9 +875,12 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // loaded together; a persistent grid of warps. The scale stays in registers across rows
 // at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
 // PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
-// warp in flight (one pack a lane only: the registers of a second tile).
-template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH>
-__global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
+// warp in flight (one pack a lane only: the registers of a second tile); below 32 lanes a
+// row, 640 threads an SM (at most 96 registers: ptxas otherwise took up to 101; a minimum
+// of 0 blocks leaves the others' registers to ptxas, 1 took up to 25 % more).
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH,
+          int THREADS = kRegsThreads>
+__global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 ? 640 / THREADS : 0) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
   // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
@@ -859,7 +890,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
   using PackT = Pack<T, PACK>;
   using AheadT = typename S::template Ahead<PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
-  const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
+  const int64_t warps_total = int64_t(gridDim.x) * (THREADS / 32);
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const S store(a);
@@ -919,7 +950,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
                                                 t.rd[r], t.ahead[r], scale_of, ds, db);
     }
   };
-  int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+  int64_t tile = int64_t(blockIdx.x) * (THREADS / 32) + threadIdx.x / 32;
   if constexpr (PREFETCH) {
     Tile cur;
     if (tile * ROWS_PER_WARP < a.rows) load_tile(tile, cur);
@@ -939,7 +970,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_regs_kernel(typename S::Args
   }
   if (part_ds == nullptr && part_db == nullptr) return;
   extern __shared__ float red[];  // [2][groups per block][cols]
-  bwd_group_store_partials<PACK, VPT, WIDTH>(a, ds, db, red, part_ds, part_db);
+  bwd_group_store_partials<PACK, VPT, WIDTH, THREADS>(a, ds, db, red, part_ds, part_db);
 }
 
 // Block (or cluster) per row; each thread owns K packs of every row (fixed
@@ -1130,12 +1161,39 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
 // the partial rows: 15.5 MiB of workspace for LayerNorm at 16384-32768 columns. The
 // next two rows loaded ahead of the exchange spill at 64 registers, whether held in
 // registers or copied into shared memory by cp.async: 1.15-1.4x slower, measured.)
-template <typename T, typename P, int PACK, int K, typename S>
+// VEC: the row is 3 * PACK + 4 floats, so that scale, ds and db move in 16-byte accesses
+// (2 + 4 + 4 a pack and row instead of 8 + 16 + 16); 7 * 16 bytes apart, each
+// quarter-warp's 128-bit accesses still fall on 32 different banks.
+template <int PACK, bool VEC>
+constexpr int bwd_cluster_smem_stride() { return VEC ? 3 * PACK + 4 : 3 * PACK + 1; }
+
+template <typename T, typename P, int PACK, int K, typename S, bool VEC>
 __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args a, float* part_ds, float* part_db) {
   static_assert(K == 2, "two rows an exchange");
-  extern __shared__ float acc_all[];  // [blockDim][3 * PACK + 1]: scale, ds, db
-  float* sc = acc_all + threadIdx.x * (3 * PACK + 1);
+  static_assert(!VEC || PACK % 4 == 0, "16-byte accesses of whole packs");
+  extern __shared__ __align__(16) float acc_rows[];  // [blockDim][stride]: scale, ds, db
+  float* sc = acc_rows + threadIdx.x * bwd_cluster_smem_stride<PACK, VEC>();
   float* acc = sc + PACK;
+  // Values i .. i + N of a thread's shared row, in 16-byte accesses where VEC.
+  const auto get = [](const float* from, float* to, int n) {
+    if constexpr (VEC) {
+#pragma unroll
+      for (int q = 0; q < n; q += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(from + q);
+        to[q] = v.x, to[q + 1] = v.y, to[q + 2] = v.z, to[q + 3] = v.w;
+      }
+    } else {
+      for (int q = 0; q < n; ++q) to[q] = from[q];
+    }
+  };
+  const auto put = [](float* to, const float* from, int n) {
+    if constexpr (VEC) {
+#pragma unroll
+      for (int q = 0; q < n; q += 4) *reinterpret_cast<float4*>(to + q) = make_float4(from[q], from[q + 1], from[q + 2], from[q + 3]);
+    } else {
+      for (int q = 0; q < n; ++q) to[q] = from[q];
+    }
+  };
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const S store(a);
@@ -1143,13 +1201,11 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   const int64_t col = sp.thread() * PACK;
   const bool owns = col < a.cols;
   {
-    float scale[PACK];
+    float scale[PACK], zero[2 * PACK] = {};
     bwd_thread_scale<P, PACK, 1>(a, sp, scale);
-#pragma unroll
-    for (int i = 0; i < PACK; ++i) sc[i] = scale[i];
+    put(sc, scale, PACK);
+    put(acc, zero, 2 * PACK);
   }
-#pragma unroll
-  for (int i = 0; i < 2 * PACK; ++i) acc[i] = 0.f;
   ClusterExchange<2 * K>::init();
   const float inv_n = 1.f / float(a.cols);
   int use = 0;
@@ -1171,14 +1227,20 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
       dc[k].set(dp);
     }
     float sum_g[K] = {}, sum_gx[K] = {};
+    constexpr int Q = VEC ? 4 : PACK;  // values a round: a 16-byte access each of scale, ds, db
 #pragma unroll
-    for (int k = 0; k < K; ++k)
+    for (int j0 = 0; j0 < PACK; j0 += Q) {
+      float s[Q];
+      get(sc + j0, s, Q);
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) {
-        const float g = dc[k].template value<false>(j) * sc[j];
-        sum_g[k] += g;
-        sum_gx[k] += g * ((xc[k].template value<false>(j) - mean[k]) * rstd[k]);
-      }
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < Q; ++i) {
+          const float g = dc[k].template value<false>(j0 + i) * s[i];
+          sum_g[k] += g;
+          sum_gx[k] += g * ((xc[k].template value<false>(j0 + i) - mean[k]) * rstd[k]);
+        }
+    }
     float sums[2 * K] = {sum_g[0], sum_gx[0], sum_g[1], sum_gx[1]};
     ClusterExchange<2 * K>::publish(sums, use);
     ClusterExchange<2 * K>::collect(sums, use);
@@ -1190,11 +1252,21 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
       if (!owns || row >= a.rows) continue;
       float out[PACK];
 #pragma unroll
-      for (int j = 0; j < PACK; ++j) {
-        const float dv = dc[k].template value<true>(j), xh = (xc[k].template value<true>(j) - mean[k]) * rstd[k];
-        out[j] = norm_dx(dv * sc[j], xh, rstd[k], mg[k], mgx[k]);
-        acc[j] += dv * xh;
-        acc[PACK + j] += dv;
+      for (int j0 = 0; j0 < PACK; j0 += Q) {
+        float s[Q], ds[Q], db[Q];
+        get(sc + j0, s, Q);
+        get(acc + j0, ds, Q);
+        get(acc + PACK + j0, db, Q);
+#pragma unroll
+        for (int i = 0; i < Q; ++i) {
+          const int j = j0 + i;
+          const float dv = dc[k].template value<true>(j), xh = (xc[k].template value<true>(j) - mean[k]) * rstd[k];
+          out[j] = norm_dx(dv * s[i], xh, rstd[k], mg[k], mgx[k]);
+          ds[i] += dv * xh;
+          db[i] += dv;
+        }
+        put(acc + j0, ds, Q);
+        put(acc + PACK + j0, db, Q);
       }
       store(row * a.cols + col, out);
     }
@@ -1202,10 +1274,13 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   row_split_exit<true>();
   // The cluster's partial row: its blocks own disjoint columns.
   if (owns) {
+    float ds[PACK], db[PACK];
+    get(acc, ds, PACK);
+    get(acc + PACK, db, PACK);
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
-      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = acc[j];
-      if (part_db) part_db[sp.first_row * a.cols + col + j] = acc[PACK + j];
+      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = ds[j];
+      if (part_db) part_db[sp.first_row * a.cols + col + j] = db[j];
     }
   }
 }
@@ -1863,7 +1938,7 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
 }
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH,
-          int ROWS = (WIDTH < 32 ? 2 : 1)>
+          int ROWS = (WIDTH < 32 ? 2 : 1), int THREADS = kRegsThreads>
 cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
   // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
@@ -1873,10 +1948,10 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
   }
   // ROWS rows a group; without the next tile's prefetch (float32, or the knob off) two
   // below 32 lanes (H100, 16-bit, 32-256 columns: 1 and 2 within 0.5 µs of each other).
-  constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
-  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH>;
+  constexpr int ROWS_PER_BLOCK = (THREADS / WIDTH) * ROWS;
+  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH, THREADS>;
   const bool partials = wants_param_grads(a);
-  const size_t smem = partials ? 2 * size_t(kRegsThreads / WIDTH) * size_t(a.cols) * sizeof(float) : 0;
+  const size_t smem = partials ? 2 * size_t(THREADS / 32) * size_t(a.cols) * sizeof(float) : 0;  // a row a warp
   cudaError_t err;
   if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
   const int64_t work_blocks = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
@@ -1885,21 +1960,35 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
   if (cs > 1) {
     int64_t clusters = 0;
     if ((err = lean_merge_grid<T>(a, &cs, &clusters, [&](int c, int64_t* n) {
-           return cluster_grid(kernel, c, kRegsThreads, (work_blocks + c - 1) / c, n, smem);
+           return cluster_grid(kernel, c, THREADS, (work_blocks + c - 1) / c, n, smem);
          })) != cudaSuccess)
       return err;
     return run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
-      return launch_clusters_smem(kernel, cs, kRegsThreads, smem, clusters, stream,
+      return launch_clusters_smem(kernel, cs, THREADS, smem, clusters, stream,
                                   static_cast<const typename S::Args&>(a), ds, db);
     });
   }
   int blocks = 0;
-  if ((err = resident_blocks(kernel, kRegsThreads, smem, work_blocks, &blocks)) != cudaSuccess) return err;
+  if ((err = resident_blocks(kernel, THREADS, smem, work_blocks, &blocks)) != cudaSuccess) return err;
   const int64_t parts = cap_blocks(a, blocks);
   return run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
-    kernel<<<unsigned(parts), kRegsThreads, smem, stream>>>(a, ds, db);
+    kernel<<<unsigned(parts), THREADS, smem, stream>>>(a, ds, db);
     return cudaGetLastError();
   });
+}
+
+// Where a lane holds one 16-bit pack below 32 lanes a row (up to 128 columns), the
+// kernel's 81-96 registers fit five 128-thread blocks an SM, as many warps as two blocks
+// of 320 or one of 640: fewer partial rows. H100 bf16 backward, 128 / 320 / 640 threads:
+// 128 columns the same at 320 (LayerNorm 18.5 / 18.6 / 19.3 µs, add_layer_norm 22.0 /
+// 21.9 / 22.8) with 264 partial rows instead of 660 (RMSNorm (49152, 128): 0.3 MiB of
+// temporaries against autodiff's 0.4, was 0.5); 32-64 columns 3-6 % slower at 320. So
+// 320 at 16 lanes a row, else 128 (knob JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS: 128, 320 or
+// 640 at every width).
+template <int WIDTH>
+int bwd_regs_block_threads() {
+  static const int knob = env_knob("JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS", 0);
+  return knob == 128 || knob == 320 || knob == 640 ? knob : (WIDTH == 16 ? 320 : 128);
 }
 
 // At one 16-bit pack a lane (up to 256 columns) the warp's next tile is loaded before the
@@ -1914,6 +2003,12 @@ template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
+    if constexpr (WIDTH < 32) {
+      if (prefetch && bwd_regs_block_threads<WIDTH>() == 320)
+        return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, 320>(a, stream, plan);
+      if (prefetch && bwd_regs_block_threads<WIDTH>() == 640)
+        return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, 640>(a, stream, plan);
+    }
     if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
@@ -2082,13 +2177,15 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
   constexpr int K = 2;
   static const int on = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM", 1);
   static const int knob_threads = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS", 1024);
+  static const int vec = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_VEC", 1);
   const int max_threads = knob_threads < 32 ? 32 : (knob_threads > 1024 ? 1024 : knob_threads);
-  auto kernel = bwd_cluster_smem_kernel<T, P, PACK, K, S>;
+  auto kernel = vec ? bwd_cluster_smem_kernel<T, P, PACK, K, S, true> : bwd_cluster_smem_kernel<T, P, PACK, K, S, false>;
+  const int stride = vec ? bwd_cluster_smem_stride<PACK, true>() : bwd_cluster_smem_stride<PACK, false>();
   if (!on || !clusters_supported(kernel)) return false;
   const int64_t nvec = a.cols / PACK;
   const ClusterShape shape = cluster_shape(nvec, max_threads, 1);
   if (shape.threads > max_threads || int64_t(shape.cs) * shape.threads < nvec) return false;
-  const size_t smem = size_t(3 * PACK + 1) * size_t(shape.threads) * sizeof(float);
+  const size_t smem = size_t(stride) * size_t(shape.threads) * sizeof(float);
   int64_t clusters = 0;
   if (allow_smem(kernel, smem) != cudaSuccess ||
       cluster_grid(kernel, shape.cs, shape.threads, cap_blocks(a, a.rows), &clusters, smem) != cudaSuccess) {
