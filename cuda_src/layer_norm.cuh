@@ -880,7 +880,8 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // of 0 blocks leaves the others' registers to ptxas, 1 took up to 25 % more).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH,
           int THREADS = kRegsThreads>
-__global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 ? 640 / THREADS : 0) bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
+__global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 ? 640 / THREADS : 0)
+    bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
   // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
@@ -969,7 +970,7 @@ __global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 ? 640 / THREAD
     }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
-  extern __shared__ float red[];  // [2][groups per block][cols]
+  extern __shared__ float red[];  // [2][warps][cols]
   bwd_group_store_partials<PACK, VPT, WIDTH, THREADS>(a, ds, db, red, part_ds, part_db);
 }
 
@@ -1174,7 +1175,7 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   extern __shared__ __align__(16) float acc_rows[];  // [blockDim][stride]: scale, ds, db
   float* sc = acc_rows + threadIdx.x * bwd_cluster_smem_stride<PACK, VEC>();
   float* acc = sc + PACK;
-  // Values i .. i + N of a thread's shared row, in 16-byte accesses where VEC.
+  // n values of a thread's shared row (n a multiple of 4 where VEC: 16-byte accesses).
   const auto get = [](const float* from, float* to, int n) {
     if constexpr (VEC) {
 #pragma unroll
@@ -1189,7 +1190,8 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   const auto put = [](float* to, const float* from, int n) {
     if constexpr (VEC) {
 #pragma unroll
-      for (int q = 0; q < n; q += 4) *reinterpret_cast<float4*>(to + q) = make_float4(from[q], from[q + 1], from[q + 2], from[q + 3]);
+      for (int q = 0; q < n; q += 4)
+        *reinterpret_cast<float4*>(to + q) = make_float4(from[q], from[q + 1], from[q + 2], from[q + 3]);
     } else {
       for (int q = 0; q < n; ++q) to[q] = from[q];
     }
@@ -2179,7 +2181,8 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
   static const int knob_threads = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS", 1024);
   static const int vec = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_VEC", 1);
   const int max_threads = knob_threads < 32 ? 32 : (knob_threads > 1024 ? 1024 : knob_threads);
-  auto kernel = vec ? bwd_cluster_smem_kernel<T, P, PACK, K, S, true> : bwd_cluster_smem_kernel<T, P, PACK, K, S, false>;
+  auto kernel = vec ? bwd_cluster_smem_kernel<T, P, PACK, K, S, true>  // 16-byte shared accesses (default)
+                    : bwd_cluster_smem_kernel<T, P, PACK, K, S, false>;
   const int stride = vec ? bwd_cluster_smem_stride<PACK, true>() : bwd_cluster_smem_stride<PACK, false>();
   if (!on || !clusters_supported(kernel)) return false;
   const int64_t nvec = a.cols / PACK;
