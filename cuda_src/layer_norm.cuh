@@ -877,10 +877,11 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
 // warp in flight (one pack a lane only: the registers of a second tile); below 32 lanes a
 // row, 640 threads an SM (at most 96 registers: ptxas otherwise took up to 101; a minimum
-// of 0 blocks leaves the others' registers to ptxas, 1 took up to 25 % more).
+// of 0 blocks leaves the others' registers to ptxas: 1 took up to 25 % more, and 5 took
+// the unvectorized kernels from 32-40 to 72).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH,
           int THREADS = kRegsThreads>
-__global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 ? 640 / THREADS : 0)
+__global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 && PACK > 1 ? 640 / THREADS : 0)
     bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
