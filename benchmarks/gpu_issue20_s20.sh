@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls of the twentieth session (issue 20): bigger blocks in the narrow backward
-# (knob JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS: 128, 320 or 640 threads, five, two or one
-# partial rows an SM),
+# (knob JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS: 128 or 320 threads, five or two partial
+# rows an SM; run 2's build also had 640, one, since removed as slower),
 # 16-byte shared-memory accesses in the long-row cluster backward (knob
 # JAX_OPS_NORM_BWD_CLUSTER_SMEM_VEC), and how many clusters of each size the GPU keeps
 # resident. Stages:
@@ -27,7 +27,7 @@ if has occupancy; then
 fi
 NARROW_COLS=${NARROW_COLS:-32,64,128}
 if has abnarrow; then
-  KNOB_TIMEOUT=150 knob_sweep abnarrow JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS "${BLOCK_THREADS_VALUES:-128 320 640 640 320 128}" \
+  KNOB_TIMEOUT=150 knob_sweep abnarrow JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS "${BLOCK_THREADS_VALUES:-128 320 320 128}" \
     --rows 49152 --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode bwd,fwd_bwd --cols "$NARROW_COLS"
 fi
 if has ablong; then
@@ -35,7 +35,7 @@ if has ablong; then
     --rows 4096 --op ${LONG_OPS:-layer_norm,rms_norm,add_layer_norm} --mode bwd,fwd_bwd --cols "${LONG_COLS:-16384,32768,65536}"
 fi
 if has workspace; then  # under each narrow block size
-  for v in ${WS_THREADS:-128 320 640}; do JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS=$v workspace_stage workspace_$v; done
+  for v in ${WS_THREADS:-128 320}; do JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS=$v workspace_stage workspace_$v; done
 fi
 has tests && norm_tests
 has sanitize && SAN_OPS=ln,rms,add_ln,add_rms norm_sanitize "${SAN_ROWS:-2001}" "${SAN_COLS:-3,31,33,64,127,128}" \

@@ -43,6 +43,8 @@
 namespace jax_ops::norm {
 
 constexpr int kRegsThreads = 128;
+// The narrow backward's prefetching kernels: 20 warps an SM (five 128-thread blocks).
+constexpr int kRegsPrefetchSmThreads = 640;
 // Forward keeps a row of up to 8 KiB in registers (4096 16-bit or 2048 float32
 // values; 1024 when unvectorized; 16 KiB rows measured slower: fewer warps fit);
 // the backward, which also holds dy and the
@@ -876,12 +878,13 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
 // PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
 // warp in flight (one pack a lane only: the registers of a second tile); below 32 lanes a
-// row, 640 threads an SM (at most 96 registers: ptxas otherwise took up to 101; a minimum
-// of 0 blocks leaves the others' registers to ptxas: 1 took up to 25 % more, and 5 took
-// the unvectorized kernels from 32-40 to 72).
+// row of packs, kRegsPrefetchSmThreads an SM (at most 96 registers: ptxas otherwise took
+// up to 101; a minimum of 0 blocks leaves the others' registers to ptxas: 1 took up to
+// 25 % more, and 5 took the unvectorized kernels from 32-40 to 72).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH,
           int THREADS = kRegsThreads>
-__global__ void __launch_bounds__(THREADS, PREFETCH && WIDTH < 32 && PACK > 1 ? 640 / THREADS : 0)
+__global__ void __launch_bounds__(THREADS,
+                                  PREFETCH && WIDTH < 32 && PACK > 1 ? kRegsPrefetchSmThreads / THREADS : 0)
     bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
@@ -1985,13 +1988,13 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
 // of 320 or one of 640: fewer partial rows. H100 bf16 backward, 128 / 320 / 640 threads:
 // 128 columns the same at 320 (LayerNorm 18.5 / 18.6 / 19.3 µs, add_layer_norm 22.0 /
 // 21.9 / 22.8) with 264 partial rows instead of 660 (RMSNorm (49152, 128): 0.3 MiB of
-// temporaries against autodiff's 0.4, was 0.5); 32-64 columns 3-6 % slower at 320. So
-// 320 at 16 lanes a row, else 128 (knob JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS: 128, 320 or
-// 640 at every width).
+// temporaries against autodiff's 0.4, was 0.5); 32-64 columns 3-6 % slower at 320, 640
+// slower everywhere (not built). So 320 at 16 lanes a row, else 128 (knob
+// JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS: 128 or 320 at every width).
 template <int WIDTH>
 int bwd_regs_block_threads() {
   static const int knob = env_knob("JAX_OPS_NORM_BWD_REGS_BLOCK_THREADS", 0);
-  return knob == 128 || knob == 320 || knob == 640 ? knob : (WIDTH == 16 ? 320 : 128);
+  return knob == 128 || knob == 320 ? knob : (WIDTH == 16 ? 320 : 128);
 }
 
 // At one 16-bit pack a lane (up to 256 columns) the warp's next tile is loaded before the
@@ -2006,12 +2009,9 @@ template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
-    if constexpr (WIDTH < 32) {
+    if constexpr (WIDTH < 32)
       if (prefetch && bwd_regs_block_threads<WIDTH>() == 320)
         return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, 320>(a, stream, plan);
-      if (prefetch && bwd_regs_block_threads<WIDTH>() == 640)
-        return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, 640>(a, stream, plan);
-    }
     if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
