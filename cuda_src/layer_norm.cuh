@@ -67,6 +67,48 @@ __device__ __forceinline__ void load_param(const void* p, int64_t col, float fal
   }
 }
 
+// The split column layout of a forward row (SPLIT kernels: 16-bit values, float32
+// parameters). A pack of PACK contiguous columns needs 2 * PACK * 4 bytes of each
+// parameter: a warp's two 16-byte loads each touch all 32 sectors of 1 KiB, half of
+// every sector, and most second touches missed L1 (ncu, 65536 columns: parameters came
+// from L2 1.3-1.6 times, the forward at the L2's limit; docs/perf-notes.md). Split, the
+// 32 packs v0..v0+31 (v0 = v & ~31) still cover columns [v0 * PACK, (v0 + 32) * PACK),
+// but lane v % 32 takes PACK / 2 of them in each half of that span, so a warp's
+// parameter load reads 512 contiguous bytes. Needs whole groups of 32 packs (nvec % 32
+// == 0); the statistics do not depend on the layout.
+template <int PACK>
+__device__ __forceinline__ int64_t split_col(int64_t v, int half) {
+  return (v & ~int64_t(31)) * PACK + (v & 31) * (PACK / 2) + half * (16 * PACK);
+}
+
+// Pack v of a row (starting at flat index row_base) through the load functor.
+template <int PACK, bool SPLIT, typename Load, typename T>
+__device__ __forceinline__ void load_row_pack(const Load& load, int64_t row_base, int64_t v, Pack<T, PACK>& pk) {
+  if constexpr (SPLIT) {
+    Pack<T, PACK / 2> lo, hi;
+    load(row_base + split_col<PACK>(v, 0), lo);
+    load(row_base + split_col<PACK>(v, 1), hi);
+#pragma unroll
+    for (int k = 0; k < PACK / 2; ++k) { pk.v[k] = lo.v[k]; pk.v[PACK / 2 + k] = hi.v[k]; }
+  } else {
+    load(row_base + v * PACK, pk);
+  }
+}
+
+// Pack v's parameter values (fallback where the parameter is absent).
+template <typename P, int PACK, bool SPLIT>
+__device__ __forceinline__ void load_pack_param(const void* p, int64_t v, float fallback, float (&out)[PACK]) {
+  if constexpr (SPLIT) {
+    float lo[PACK / 2], hi[PACK / 2];
+    load_param<P, PACK / 2>(p, split_col<PACK>(v, 0), fallback, lo);
+    load_param<P, PACK / 2>(p, split_col<PACK>(v, 1), fallback, hi);
+#pragma unroll
+    for (int k = 0; k < PACK / 2; ++k) { out[k] = lo[k]; out[PACK / 2 + k] = hi[k]; }
+  } else {
+    load_param<P, PACK>(p, v * PACK, fallback, out);
+  }
+}
+
 // Welford/sum-of-squares merge over aligned groups of WIDTH lanes. The lower
 // lane's state always goes first, so every lane ends with bitwise equal stats.
 template <int WIDTH>
@@ -583,13 +625,27 @@ __device__ __forceinline__ void store_values(T* p, const float (&v)[PACK]) {
   }
 }
 
+// Pack v's output values into a row starting at y (the split layout: split_col).
+template <typename T, int PACK, bool SPLIT>
+__device__ __forceinline__ void store_row_pack(T* y, int64_t v, const float (&out)[PACK]) {
+  if constexpr (SPLIT) {
+    float lo[PACK / 2], hi[PACK / 2];
+#pragma unroll
+    for (int k = 0; k < PACK / 2; ++k) { lo[k] = out[k]; hi[k] = out[PACK / 2 + k]; }
+    store_values<T, PACK / 2>(y + split_col<PACK>(v, 0), lo);
+    store_values<T, PACK / 2>(y + split_col<PACK>(v, 1), hi);
+  } else {
+    store_values<T, PACK>(y + v * PACK, out);
+  }
+}
+
 // Block per row, each thread holding K packs of the row in registers: no shared
 // memory round trip, and all K loads of a thread are in flight at once. The first
 // pack's scale/bias loads are issued before the row reduction, each next pack's before
 // this pack's store. (A cluster version of this tier, the row split over 2-8 blocks,
 // measured 1.5-2x slower on the H100 at 16384-32768 columns with a cluster barrier a
 // row, 1.16-1.5x slower with ClusterExchange at 32768-65536: docs/perf-notes.md.)
-template <typename T, typename P, int PACK, int K, typename L>
+template <typename T, typename P, int PACK, int K, typename L, bool SPLIT = false>
 __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
@@ -601,7 +657,7 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
       PackT pk{};
-      if (v < nvec) load((row * nvec + v) * PACK, pk);
+      if (v < nvec) load_row_pack<PACK, SPLIT>(load, row * a.cols, v, pk);
       raw[k].set(pk);
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
@@ -627,8 +683,8 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
     acc.mean = local_mean; acc.m2 = q; acc.count = cnt;
     float sc[PACK], bi[PACK];
     if (threadIdx.x < nvec) {
-      load_param<P, PACK>(a.scale, int64_t(threadIdx.x) * PACK, 1.f, sc);
-      load_param<P, PACK>(a.bias, int64_t(threadIdx.x) * PACK, 0.f, bi);
+      load_pack_param<P, PACK, SPLIT>(a.scale, threadIdx.x, 1.f, sc);
+      load_pack_param<P, PACK, SPLIT>(a.bias, threadIdx.x, 0.f, bi);
     }
     const RowStats st = block_stats(acc, a.cols, a.eps, a.rms, nvec == int64_t(K) * blockDim.x);
 #pragma unroll
@@ -640,10 +696,10 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
       for (int j = 0; j < PACK; ++j) out[j] = norm_out(raw[k].template value<true>(j), st, sc[j], bi[j]);
       const int64_t next = v + blockDim.x;
       if (k + 1 < K && next < nvec) {
-        load_param<P, PACK>(a.scale, next * PACK, 1.f, sc);
-        load_param<P, PACK>(a.bias, next * PACK, 0.f, bi);
+        load_pack_param<P, PACK, SPLIT>(a.scale, next, 1.f, sc);
+        load_pack_param<P, PACK, SPLIT>(a.bias, next, 0.f, bi);
       }
-      store_values<T, PACK>(y + row * a.cols + v * PACK, out);
+      store_row_pack<T, PACK, SPLIT>(y + row * a.cols, v, out);
     }
     if (threadIdx.x == 0 && a.rstd != nullptr) {
       if (a.mean != nullptr) a.mean[row] = st.mean;
@@ -652,8 +708,9 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
   }
 }
 
-template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false>
-__global__ void fwd_block_kernel(typename L::Args a) {
+template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false, bool SPLIT = false>
+__global__ void __launch_bounds__(SPLIT ? 512 : 1024, SPLIT ? 3 : 0) fwd_block_kernel(typename L::Args a) {
+  static_assert(!SPLIT || CACHE, "the split layout's second pass reads the cache");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
   PackT* cache = reinterpret_cast<PackT*>(smem_raw);  // the block's packs of the row
@@ -672,7 +729,8 @@ __global__ void fwd_block_kernel(typename L::Args a) {
 #pragma unroll 4
     for (int64_t v = tid, c = threadIdx.x; v < nvec; v += span, c += blockDim.x) {
       PackT pk;
-      xr(v, pk);
+      if constexpr (SPLIT) load_row_pack<PACK, true>(load, row * a.cols, v, pk);
+      else xr(v, pk);
       if (CACHE) cache[c] = pk;
       float f[PACK];
 #pragma unroll
@@ -686,11 +744,12 @@ __global__ void fwd_block_kernel(typename L::Args a) {
       if (CACHE) pk = cache[c];
       else xr.reload(v, pk);
       float sc[PACK], bi[PACK], out[PACK];
-      load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
-      load_param<P, PACK>(a.bias, v * PACK, 0.f, bi);
+      load_pack_param<P, PACK, SPLIT>(a.scale, v, 1.f, sc);
+      load_pack_param<P, PACK, SPLIT>(a.bias, v, 0.f, bi);
 #pragma unroll
       for (int k = 0; k < PACK; ++k) out[k] = norm_out(to_float(pk.v[k]), st, sc[k], bi[k]);
-      store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
+      if constexpr (SPLIT) store_row_pack<T, PACK, true>(y + row * a.cols, v, out);
+      else store_pack<T, PACK>(y + row * a.cols + v * PACK, out);
     }
     if (tid == 0 && a.rstd != nullptr) {
       if (a.mean != nullptr) a.mean[row] = st.mean;
@@ -1679,6 +1738,19 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   });
 }
 
+// Whether a forward of the block tiers takes the split column layout (split_col): 16-bit
+// rows with float32 parameters, in whole groups of 32 packs (knob JAX_OPS_NORM_FWD_SPLIT=0:
+// never).
+template <typename T, typename P, int PACK>
+constexpr bool kSplitTypes = sizeof(T) == 2 && sizeof(P) == 4 && PACK == 8;
+
+template <typename T, typename P, int PACK>
+bool use_split(const FwdAddArgs& a) {
+  static const int knob = env_knob("JAX_OPS_NORM_FWD_SPLIT", 1);
+  return kSplitTypes<T, P, PACK> && knob != 0 && (a.scale != nullptr || a.bias != nullptr) &&
+         (a.cols / PACK) % 32 == 0;
+}
+
 // sm_90: rows over 64 KiB, whose cached copy leaves one block an SM with nothing to
 // overlap its reduction and output pass, split over a cluster of 2-8 blocks of up to 512
 // threads, each caching a slice of at most 64 KiB, so that two or more rows an SM are
@@ -1689,6 +1761,8 @@ bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaErro
   static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 65536 + 1);
   constexpr int64_t kSliceBytes = 65536;
   auto kernel = fwd_block_kernel<T, P, PACK, true, L, true>;
+  if constexpr (kSplitTypes<T, P, PACK>)
+    if (use_split<T, P, PACK>(a)) kernel = fwd_block_kernel<T, P, PACK, true, L, true, true>;
   const int64_t row_bytes = a.cols * int64_t(sizeof(T)), nvec = a.cols / PACK;
   if (min_bytes <= 0 || row_bytes < min_bytes || !clusters_supported(kernel)) return false;
   int cs = 2;
@@ -1734,6 +1808,8 @@ constexpr int64_t kFwdBlockRegsMaxVec = 4096;
 template <typename T, typename P, int PACK, int K, typename L>
 cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream_t stream) {
   auto kernel = fwd_block_regs_kernel<T, P, PACK, K, L>;
+  if constexpr (kSplitTypes<T, P, PACK>)
+    if (use_split<T, P, PACK>(a)) kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
   int blocks = 0;
   cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
   if (err != cudaSuccess) return err;
