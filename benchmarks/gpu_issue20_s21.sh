@@ -3,7 +3,8 @@
 # block-tier forwards (16-bit rows, float32 parameters; knob JAX_OPS_NORM_FWD_SPLIT), so
 # that a warp's parameter loads read whole sectors once. Stages:
 # abfwd (cuda fwd / fwd_bwd of LONG_OPS at LONG_COLS, 4096 rows, under each SPLIT value,
-# the list reversed and repeated); abmid (the same at MID_COLS, 49152 rows); tests;
+# the list reversed and repeated); abmid (the same at MID_COLS, 49152 rows); abk (the
+# block forward's packs a thread, knob JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS, at K_COLS); tests;
 # sansplit (memcheck / synccheck at SPLIT_SAN_COLS, 301 rows, LayerNorm / RMSNorm /
 # add_layer_norm); sweeplong (item 1 at 65536: auto / cuda / flax); workspace.
 # Usage: bash benchmarks/gpu_issue20_s21.sh stages
@@ -20,6 +21,10 @@ if has abmid; then
   KNOB_TIMEOUT=200 knob_sweep abmid JAX_OPS_NORM_FWD_SPLIT "${SPLIT_VALUES:-1 0 0 1}" \
     --rows 49152 --op layer_norm,rms_norm --mode fwd,fwd_bwd --cols "${MID_COLS:-4352,8192,16384,32768}"
 fi
+if has abk; then  # packs a thread of the block forward at 4352-7168 columns (160-224 threads at 4)
+  knob_sweep abk JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS "${K_VALUES:-4 2 1 1 2 4}" \
+    --rows 49152 --op layer_norm,rms_norm --mode fwd --cols "${K_COLS:-4352,5120,6144,7168}"
+fi
 has tests && norm_tests
 if has sansplit; then
   { for tool in memcheck synccheck; do
@@ -34,4 +39,4 @@ if has sweeplong; then
     --mode fwd,bwd,fwd_bwd --cols 65536
 fi
 has workspace && workspace_stage workspace
-finish_call "log|env|abfwd|abmid|tests|sansplit|workspace"
+finish_call "log|env|abfwd|abmid|abk|tests|sansplit|workspace"

@@ -708,8 +708,8 @@ __global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typ
   }
 }
 
-template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false, bool SPLIT = false>
-__global__ void __launch_bounds__(SPLIT ? 512 : 1024, SPLIT ? 3 : 0) fwd_block_kernel(typename L::Args a) {
+template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER, bool SPLIT>
+__device__ __forceinline__ void fwd_block_body(const typename L::Args& a) {
   static_assert(!SPLIT || CACHE, "the split layout's second pass reads the cache");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
@@ -759,6 +759,19 @@ __global__ void __launch_bounds__(SPLIT ? 512 : 1024, SPLIT ? 3 : 0) fwd_block_k
     if (CACHE) __syncthreads();
   }
   row_split_exit<CLUSTER>();
+}
+
+template <typename T, typename P, int PACK, bool CACHE, typename L, bool CLUSTER = false>
+__global__ void fwd_block_kernel(typename L::Args a) {
+  fwd_block_body<T, P, PACK, CACHE, L, CLUSTER, false>(a);
+}
+
+// The cluster forward in the split layout. Its addressing takes more registers: ptxas
+// took 56 (two blocks an SM) where the other layout takes 40 (three); BLOCKS_SM sets the
+// blocks an SM it is compiled for (knob JAX_OPS_NORM_FWD_SPLIT: 1 = three, 2 = two).
+template <typename T, typename P, int PACK, typename L, int BLOCKS_SM>
+__global__ void __launch_bounds__(512, BLOCKS_SM) fwd_cluster_split_kernel(typename L::Args a) {
+  fwd_block_body<T, P, PACK, true, L, true, true>(a);
 }
 
 // --------------------------------------------------------------- backward ---
@@ -1744,10 +1757,14 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
 template <typename T, typename P, int PACK>
 constexpr bool kSplitTypes = sizeof(T) == 2 && sizeof(P) == 4 && PACK == 8;
 
+inline int split_knob() {
+  static const int knob = env_knob("JAX_OPS_NORM_FWD_SPLIT", 1);
+  return knob;
+}
+
 template <typename T, typename P, int PACK>
 bool use_split(const FwdAddArgs& a) {
-  static const int knob = env_knob("JAX_OPS_NORM_FWD_SPLIT", 1);
-  return kSplitTypes<T, P, PACK> && knob != 0 && (a.scale != nullptr || a.bias != nullptr) &&
+  return kSplitTypes<T, P, PACK> && split_knob() != 0 && (a.scale != nullptr || a.bias != nullptr) &&
          (a.cols / PACK) % 32 == 0;
 }
 
@@ -1762,7 +1779,8 @@ bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaErro
   constexpr int64_t kSliceBytes = 65536;
   auto kernel = fwd_block_kernel<T, P, PACK, true, L, true>;
   if constexpr (kSplitTypes<T, P, PACK>)
-    if (use_split<T, P, PACK>(a)) kernel = fwd_block_kernel<T, P, PACK, true, L, true, true>;
+    if (use_split<T, P, PACK>(a))
+      kernel = split_knob() == 2 ? fwd_cluster_split_kernel<T, P, PACK, L, 2> : fwd_cluster_split_kernel<T, P, PACK, L, 3>;
   const int64_t row_bytes = a.cols * int64_t(sizeof(T)), nvec = a.cols / PACK;
   if (min_bytes <= 0 || row_bytes < min_bytes || !clusters_supported(kernel)) return false;
   int cs = 2;
@@ -1808,8 +1826,10 @@ constexpr int64_t kFwdBlockRegsMaxVec = 4096;
 template <typename T, typename P, int PACK, int K, typename L>
 cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream_t stream) {
   auto kernel = fwd_block_regs_kernel<T, P, PACK, K, L>;
-  if constexpr (kSplitTypes<T, P, PACK>)
-    if (use_split<T, P, PACK>(a)) kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
+  // Split only past 2048 packs (1024 threads): at 32768 16-bit columns 2-2.5 % faster, at
+  // 8192-16384 the same, and at 4352 4.5 % slower (H100, docs/perf-notes.md).
+  if constexpr (kSplitTypes<T, P, PACK> && K == 4)
+    if (threads > 512 && use_split<T, P, PACK>(a)) kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
   int blocks = 0;
   cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
   if (err != cudaSuccess) return err;
@@ -1825,10 +1845,12 @@ cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream
 // of 512 threads at 4096 packs (add+norm 1.32x).
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
-  static const int max_packs = env_knob("JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS", 4) >= 8 ? 8 : 4;
+  static const int knob = env_knob("JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS", 4);
+  static const int max_packs = knob >= 8 ? 8 : (knob == 2 || knob == 1 ? knob : 4);
   const int64_t nvec = a.cols / PACK;
   int k = 1;
   while (k < max_packs && nvec > int64_t(256) * k) k *= 2;
+  while (nvec > int64_t(1024) * k) k *= 2;  // a knob's 1 or 2 packs: at most 1024 threads
   const int threads = int(((nvec + k - 1) / k + 31) / 32 * 32);
   switch (k) {
     case 1: return launch_fwd_block_regs_k<T, P, PACK, 1, L>(a, threads, stream);
