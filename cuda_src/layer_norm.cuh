@@ -766,11 +766,11 @@ __global__ void fwd_block_kernel(typename L::Args a) {
   fwd_block_body<T, P, PACK, CACHE, L, CLUSTER, false>(a);
 }
 
-// The cluster forward in the split layout. Its addressing takes more registers: ptxas
-// took 56 (two blocks an SM) where the other layout takes 40 (three); BLOCKS_SM sets the
-// blocks an SM it is compiled for (knob JAX_OPS_NORM_FWD_SPLIT: 1 = three, 2 = two).
-template <typename T, typename P, int PACK, typename L, int BLOCKS_SM>
-__global__ void __launch_bounds__(512, BLOCKS_SM) fwd_cluster_split_kernel(typename L::Args a) {
+// The cluster forward in the split layout. Its addressing takes more registers: capped
+// at three blocks an SM, as the other layout runs (40 registers, 8 bytes spilled; 63 at
+// two blocks an SM measured 1.08x slower: docs/perf-notes.md).
+template <typename T, typename P, int PACK, typename L>
+__global__ void __launch_bounds__(512, 3) fwd_cluster_split_kernel(typename L::Args a) {
   fwd_block_body<T, P, PACK, true, L, true, true>(a);
 }
 
@@ -1751,21 +1751,16 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   });
 }
 
-// Whether a forward of the block tiers takes the split column layout (split_col): 16-bit
-// rows with float32 parameters, in whole groups of 32 packs (knob JAX_OPS_NORM_FWD_SPLIT=0:
-// never).
-template <typename T, typename P, int PACK>
-constexpr bool kSplitTypes = sizeof(T) == 2 && sizeof(P) == 4 && PACK == 8;
+// Whether a forward of the block tiers may take the split column layout (split_col): the
+// plain norms' 16-bit rows with float32 parameters, in whole groups of 32 packs (knob
+// JAX_OPS_NORM_FWD_SPLIT=0: never). Not add+norm: its x, residual and h in half packs
+// cost more than the parameter loads save (H100, 32768 columns: 1.18x slower).
+template <typename T, typename P, int PACK, typename L>
+constexpr bool kSplitTypes = sizeof(T) == 2 && sizeof(P) == 4 && PACK == 8 && std::is_same_v<L, LoadX<T>>;
 
-inline int split_knob() {
+inline bool use_split(const FwdAddArgs& a) {
   static const int knob = env_knob("JAX_OPS_NORM_FWD_SPLIT", 1);
-  return knob;
-}
-
-template <typename T, typename P, int PACK>
-bool use_split(const FwdAddArgs& a) {
-  return kSplitTypes<T, P, PACK> && split_knob() != 0 && (a.scale != nullptr || a.bias != nullptr) &&
-         (a.cols / PACK) % 32 == 0;
+  return knob != 0 && (a.scale != nullptr || a.bias != nullptr) && (a.cols / 8) % 32 == 0;
 }
 
 // sm_90: rows over 64 KiB, whose cached copy leaves one block an SM with nothing to
@@ -1778,9 +1773,10 @@ bool launch_fwd_block_cluster(const FwdAddArgs& a, cudaStream_t stream, cudaErro
   static const int min_bytes = env_knob("JAX_OPS_NORM_FWD_CLUSTER_MIN_BYTES", 65536 + 1);
   constexpr int64_t kSliceBytes = 65536;
   auto kernel = fwd_block_kernel<T, P, PACK, true, L, true>;
-  if constexpr (kSplitTypes<T, P, PACK>)
-    if (use_split<T, P, PACK>(a))
-      kernel = split_knob() == 2 ? fwd_cluster_split_kernel<T, P, PACK, L, 2> : fwd_cluster_split_kernel<T, P, PACK, L, 3>;
+  // In the cluster tier only with both parameters (LayerNorm: 1.03x faster at 65536
+  // columns); RMSNorm's one array measured 1.10x slower split.
+  if constexpr (kSplitTypes<T, P, PACK, L>)
+    if (a.scale != nullptr && a.bias != nullptr && use_split(a)) kernel = fwd_cluster_split_kernel<T, P, PACK, L>;
   const int64_t row_bytes = a.cols * int64_t(sizeof(T)), nvec = a.cols / PACK;
   if (min_bytes <= 0 || row_bytes < min_bytes || !clusters_supported(kernel)) return false;
   int cs = 2;
@@ -1828,8 +1824,8 @@ cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream
   auto kernel = fwd_block_regs_kernel<T, P, PACK, K, L>;
   // Split only past 2048 packs (1024 threads): at 32768 16-bit columns 2-2.5 % faster, at
   // 8192-16384 the same, and at 4352 4.5 % slower (H100, docs/perf-notes.md).
-  if constexpr (kSplitTypes<T, P, PACK> && K == 4)
-    if (threads > 512 && use_split<T, P, PACK>(a)) kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
+  if constexpr (kSplitTypes<T, P, PACK, L> && K == 4)
+    if (threads > 512 && use_split(a)) kernel = fwd_block_regs_kernel<T, P, PACK, K, L, true>;
   int blocks = 0;
   cudaError_t err = resident_blocks(kernel, threads, 0, a.rows, &blocks);
   if (err != cudaSuccess) return err;
