@@ -6,8 +6,8 @@
 # the list reversed and repeated); abmid (the same at MID_COLS, 49152 rows); abk (the
 # block forward's packs a thread, knob JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS, at K_COLS); tests;
 # sansplit (memcheck / synccheck at SPLIT_SAN_COLS, 301 rows, LayerNorm / RMSNorm /
-# add_layer_norm); sweeplong (item 1 at 65536: auto / cuda / flax); sweepmid (the same at
-# SWEEP_MID_COLS, 49152 rows); workspace.
+# add_layer_norm); sweeplong (item 1 at 65536: auto / cuda / flax); sweepmid (the same for
+# SWEEP_MID_OPS at SWEEP_MID_COLS, 49152 rows; SWEEP_IMPLS); workspace.
 # Usage: bash benchmarks/gpu_issue20_s21.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -40,8 +40,8 @@ if has sweeplong; then
     --mode fwd,bwd,fwd_bwd --cols 65536
 fi
 if has sweepmid; then  # item 1 where the split layout or the block tier's shape changes the picture
-  SWEEP_TIMEOUT=200 sweep_stage sweep_mid_bf16 --dtype bf16 --rows 49152 --op layer_norm,rms_norm \
-    --mode fwd,fwd_bwd --cols "${SWEEP_MID_COLS:-4352,4608,32768}"
+  SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-200} sweep_stage sweep_mid_bf16 --dtype bf16 --rows 49152 \
+    --op "${SWEEP_MID_OPS:-layer_norm,rms_norm}" --mode fwd,fwd_bwd --cols "${SWEEP_MID_COLS:-4352,4608,32768}"
 fi
 has workspace && workspace_stage workspace
 finish_call "log|env|abfwd|abmid|abk|tests|sansplit|workspace"

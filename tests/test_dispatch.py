@@ -2,7 +2,9 @@
 register_implementation(), explain(), measured tables, autotune and its cache."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +277,35 @@ def test_table_lookup_keeps_to_the_dtype_width_and_interpolates_between_widths(m
     assert name == "pallas" and "bfloat16[49152,512]: pallas 30.0us" in reason
     # Past the widest measured width: the nearest entry (no extrapolation).
     assert "float32[49152,1024]: cuda 136.0us" in pick(8192, "float32")[1]
+
+
+def test_table_estimates_a_padding_kernel_from_the_width_of_its_tile(monkeypatch):
+    # Pallas' norm kernels pad a row to a power of two: at 4352 columns they do the
+    # 8192-column tile's work. Interpolated between 4096 (pallas narrowly first) and 8192,
+    # pallas would win at 4352; from 8192's time, (4352 / 8192) ** 0.8 of it, cuda does.
+    table = _table("NVIDIA H100 80GB HBM3", [
+        _entry("rms_norm", "fwd", "bfloat16", 49152, 4096, cuda=274.7, pallas=272.3),
+        _entry("rms_norm", "fwd", "bfloat16", 49152, 8192, cuda=578.9, pallas=565.5),
+    ])
+    monkeypatch.setattr(dispatch, "_tables", lambda: (table,))
+    impls = {i.name: i for i in registry.all_of("rms_norm") if i.name in ("cuda", "pallas")}
+    assert impls["pallas"].tile_cols(4352) == 8192 and impls["cuda"].tile_cols is None
+
+    def pick(cols):
+        return dispatch._from_table(Query("rms_norm", "fwd", "cuda", (49152, cols), "bfloat16",
+                                          "NVIDIA H100 80GB HBM3"), impls)
+
+    name, reason = pick(4352)
+    pallas_us = 565.5 * (4352 / 8192) ** 0.8
+    assert name == "cuda" and f"pallas {pallas_us:.1f}us" in reason and "pallas from 8192: same tile" in reason
+    # At a measured width the entry decides as measured, and cuda, without a tile, is
+    # interpolated as before.
+    assert pick(4096)[0] == "pallas"
+    cuda_us = 274.7 * (578.9 / 274.7) ** (math.log(4352 / 4096) / math.log(2))
+    assert f"cuda {cuda_us:.1f}us" in pick(4352)[1]
+    # Without the tile (an implementation that does not pad), the interpolation picks pallas.
+    impls["pallas"] = dataclasses.replace(impls["pallas"], tile_cols=None)
+    assert pick(4352)[0] == "pallas"
 
 
 def test_table_of_same_generation_serves_an_op_this_gpu_was_not_measured_for(monkeypatch):

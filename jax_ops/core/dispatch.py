@@ -196,6 +196,12 @@ def _itemsize(dtype: str) -> int | None:
         return None
 
 
+# How a padded kernel's time follows its bytes within one tile width: 1 would be bytes
+# alone, 0 the tile's work alone. Fitted to Pallas' RMSNorm forward against its 8192-column
+# time (H100, bf16: 0.81 at 4352 columns, 0.84 at 4608).
+_TILE_BYTES_EXPONENT = 0.8
+
+
 def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tuple[dict, str] | None:
     """Each implementation's time at q.cols interpolated (log time against log cols)
     between the nearest measured widths below and above it, of best's dtype and rows;
@@ -206,9 +212,25 @@ def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tup
     if best["cols"] == q.cols or lo is None or hi is None:
         return None
     w = math.log(q.cols / lo["cols"]) / math.log(hi["cols"] / lo["cols"])
-    us = {n: math.exp((1 - w) * math.log(max(lo["us"][n], 1e-9)) + w * math.log(max(hi["us"][n], 1e-9)))
-          for n in lo["us"] if n in hi["us"] and n in candidates}
-    return (us, f"{best['dtype']}[{best['rows']},{lo['cols']}..{hi['cols']}], interpolated") if us else None
+    us, scaled = {}, []
+    for n in lo["us"]:
+        if n not in hi["us"] or n not in candidates:
+            continue
+        tile = candidates[n].tile_cols
+        if tile is not None and tile(q.cols) in (tile(lo["cols"]), tile(hi["cols"])) \
+                and tile(lo["cols"]) != tile(hi["cols"]):
+            # Its kernels work on the same tile as at one of the two widths (Pallas pads a
+            # row to a power of two): that width's time, scaled by its bytes to the power
+            # _TILE_BYTES_EXPONENT. Interpolated, its 4096-column time stood for 4352
+            # columns (H100, RMSNorm bf16 forward: 290 us estimated, 339 measured, cuda's
+            # 303; docs/perf-notes.md).
+            e = hi if tile(q.cols) == tile(hi["cols"]) else lo
+            us[n] = e["us"][n] * (q.cols / e["cols"]) ** _TILE_BYTES_EXPONENT
+            scaled.append(f"{n} from {e['cols']}")
+        else:
+            us[n] = math.exp((1 - w) * math.log(max(lo["us"][n], 1e-9)) + w * math.log(max(hi["us"][n], 1e-9)))
+    how = "interpolated" + (f" ({', '.join(scaled)}: same tile)" if scaled else "")
+    return (us, f"{best['dtype']}[{best['rows']},{lo['cols']}..{hi['cols']}], {how}") if us else None
 
 
 def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:

@@ -411,6 +411,7 @@ class Impl:
     configs: Callable | None = None
     automatic: Callable | None = None
     description: str = ""
+    tile_cols: Callable | None = None
 
 
 # -------------------------------------------------------------------- ops ---
@@ -466,7 +467,7 @@ class Op:
             for name, impl in impls.items():
                 registry.add(registry.Implementation(
                     op, name, impl.stages, impl.supports, configs=impl.configs,
-                    automatic=impl.automatic, description=impl.description))
+                    automatic=impl.automatic, description=impl.description, tile_cols=impl.tile_cols))
             if user_adapter is not None:
                 registry.define_user_adapter(op, user_adapter)
         OPS[self.fwd.name] = self

@@ -76,6 +76,9 @@ class Implementation:
     configs(query) -> tunable parameter sets autotune tries (first = default), or None.
     prefer: the automatic choice takes it, where it is supported, over the measured
       tables and heuristics (autotune results still come first).
+    tile_cols(cols) -> the row width its kernels work on (e.g. padded to a power of two),
+      or None: between two measured widths the table then estimates it from the one
+      of the same tile width (core/dispatch.py).
     automatic(query) -> (ok, reason) or bool: where the automatic choice may take it
       (default: wherever supported); e.g. kernels that would need a transpose copy
       leave a softmax over a non-last axis to XLA unless asked for by name.
@@ -89,6 +92,7 @@ class Implementation:
     builtin: bool = True
     description: str = ""
     automatic: Supports | None = None
+    tile_cols: Callable[[int], int] | None = None
 
     def why_not(self, q: Query) -> str | None:
         """None if this implementation can serve q, else the reason it can't."""

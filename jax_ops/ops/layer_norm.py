@@ -621,7 +621,8 @@ NORM = Op(
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
                        supports=pallas_supports(lambda q: pallas_norm.supports(q.cols)),
-                       configs=_pallas_configs, description="Pallas kernels (Triton back end)"),
+                       configs=_pallas_configs, description="Pallas kernels (Triton back end)",
+                       tile_cols=pallas_norm.next_pow2),
     },
     bench=lambda: layer_norm_specs(),  # the benchmark specs and
     patterns=lambda: norm_patterns())  # the rewrite patterns: end of this module
