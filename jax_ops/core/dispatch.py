@@ -11,7 +11,9 @@ static shapes, in this order:
    (`jax-ops-bench --table ...`; the command is recorded in each file). The entry of
    the same op/stage nearest in (log cols, log rows), of the same dtype or another of
    its width, gives each implementation's time (between two measured widths of that
-   dtype, interpolated in log cols); the fastest one that supports the call wins. Stages:
+   dtype, interpolated in log cols; an implementation with `tile_cols`, whose kernels
+   pad a row, from the width of its own tile); the fastest one that supports the call
+   wins. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed alone (fwd_res) for cuda / pallas where the run did, else as
    step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
