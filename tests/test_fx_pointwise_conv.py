@@ -52,9 +52,11 @@ def test_pointwise_dot_matches_a_float64_conv(case, dtype):
     ct = jnp.asarray(np.random.default_rng(7).standard_normal(y.shape), dtype)
     dx, dw = jax.jit(lambda x, w: jax.vjp(fast, x, w)[1](ct))(x, w)
     dx64, dw64 = conv64(x, w, params, ct)
-    # dw sums over every pixel (K = 646 here); XLA's CPU dot accumulates bfloat16 in
-    # bfloat16 (1.0-1.3e-2 against the conv's 1.3-2.1e-3), cuBLAS in float32
-    tol_dw = 2e-2 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else tol
+    # dw sums over every pixel (K = 646 in case 0); XLA's CPU dot accumulates bfloat16 in
+    # bfloat16, cuBLAS in float32. How much it loses depends on the host: case 0 measured
+    # 1.0-1.3e-2 on earlier CI hosts and 2.7e-2 on an AMD EPYC one (cases 1-5: 4e-3 to
+    # 1.2e-2; the conv's own dw 1.2-2.1e-3 everywhere). A wrong dw is off by O(1).
+    tol_dw = 4e-2 if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else tol
     assert rel(dx, dx64) < tol and rel(dw, dw64) < tol_dw
 
 
