@@ -4,7 +4,8 @@
 # that a warp's parameter loads read whole sectors once. Stages:
 # abfwd (cuda fwd / fwd_bwd of LONG_OPS at LONG_COLS, 4096 rows, under each SPLIT value,
 # the list reversed and repeated); abmid (the same at MID_COLS, 49152 rows); abk (the
-# block forward's packs a thread, knob JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS, at K_COLS); tests;
+# block forward's packs a thread, knob JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS, at K_COLS); table
+# (the four ops' bf16 table entries at TABLE_COLS); tests;
 # sansplit (memcheck / synccheck at SPLIT_SAN_COLS, 301 rows, LayerNorm / RMSNorm /
 # add_layer_norm); sweeplong (item 1 at 65536: auto / cuda / flax); sweepmid (the same for
 # SWEEP_MID_OPS at SWEEP_MID_COLS, 49152 rows; SWEEP_IMPLS); workspace.
@@ -26,6 +27,9 @@ if has abk; then  # packs a thread of the block forward at 4352-7168 columns (16
   knob_sweep abk JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS "${K_VALUES:-4 2 1 1 2 4}" \
     --rows 49152 --op layer_norm,rms_norm --mode fwd --cols "${K_COLS:-4352,5120,6144,7168}"
 fi
+# The table's bf16 entries of the four ops at TABLE_COLS (gpu_tables.sh; later stages use them)
+has table && TABLE_MODES=${TABLE_MODES:-fwd,bwd,step,fwd_res} table_stage bf16 \
+  layer_norm,rms_norm,add_layer_norm,add_rms_norm "${TABLE_COLS:-4608}"
 has tests && norm_tests
 if has sansplit; then
   { for tool in memcheck synccheck; do
