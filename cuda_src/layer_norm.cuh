@@ -1838,7 +1838,8 @@ cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream
 // JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS=8) takes 120 registers: two 256-thread rows an SM at
 // 2048 packs, where two 512-thread rows of 4 packs measured 1.13x faster (LayerNorm,
 // 16384 bf16 columns; add+norm 1.29x), and one 1024-thread row 1.05x faster than one
-// of 512 threads at 4096 packs (add+norm 1.32x).
+// of 512 threads at 4096 packs (add+norm 1.32x). At most 2 or 1 packs (knob 2, 1): as fast to
+// 2.3x slower at 4352-7168 columns (docs/perf-notes.md).
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
   static const int knob = env_knob("JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS", 4);

@@ -219,14 +219,14 @@ def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tup
         if n not in hi["us"] or n not in candidates:
             continue
         tile = candidates[n].tile_cols
-        if tile is not None and tile(q.cols) in (tile(lo["cols"]), tile(hi["cols"])) \
-                and tile(lo["cols"]) != tile(hi["cols"]):
+        same_tile = [] if tile is None else [e for e in (lo, hi) if tile(e["cols"]) == tile(q.cols)]
+        if len(same_tile) == 1:
             # Its kernels work on the same tile as at one of the two widths (Pallas pads a
             # row to a power of two): that width's time, scaled by its bytes to the power
             # _TILE_BYTES_EXPONENT. Interpolated, its 4096-column time stood for 4352
             # columns (H100, RMSNorm bf16 forward: 290 us estimated, 339 measured, cuda's
             # 303; docs/perf-notes.md).
-            e = hi if tile(q.cols) == tile(hi["cols"]) else lo
+            e = same_tile[0]
             us[n] = e["us"][n] * (q.cols / e["cols"]) ** _TILE_BYTES_EXPONENT
             scaled.append(f"{n} from {e['cols']}")
         else:
