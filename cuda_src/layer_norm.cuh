@@ -1373,13 +1373,16 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
 // Layout: `stages` mbarriers (kBulkBarrierBytes), then [stage][x, dy][K][blockDim] packs.
 // With one pack a thread, two blocks of up to 512 threads an SM: 64 registers (ptxas
 // took more otherwise, one block fit, and 2048-4096 columns ran 5-10 % slower than the
-// register kernel); with more, 64 registers spill, so one block.
+// register kernel); with more, 64 registers spill, so one block. WIDE: one pack a thread
+// in one block of up to 1024 threads (64 registers), for rows of 513-1023 packs, which
+// two packs a thread run on 288-512 threads, the SM's only block.
 constexpr int kBulkBarrierBytes = 128;  // room for 16 mbarriers, one a stage
 constexpr int kBwdBulkMaxThreads = 512;
 constexpr int kBwdBulkMinCols = 4096;
-template <typename T, typename P, int PACK, int K, typename S>
-__global__ void __launch_bounds__(kBwdBulkMaxThreads, K == 1 ? 2 : 1) bwd_bulk_kernel(typename S::Args a, float* part_ds, float* part_db,
-                                                        int stages) {
+template <typename T, typename P, int PACK, int K, typename S, bool WIDE = false>
+__global__ void __launch_bounds__(WIDE ? 1024 : kBwdBulkMaxThreads, WIDE ? 1 : (K == 1 ? 2 : 1))
+    bwd_bulk_kernel(typename S::Args a, float* part_ds, float* part_db, int stages) {
+  static_assert(!WIDE || K == 1, "the wide block holds one pack a thread");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   using PackT = Pack<T, PACK>;
   constexpr int N = K * PACK;
@@ -1833,22 +1836,71 @@ cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream
   return cudaGetLastError();
 }
 
+inline int fwd_block_threads(int64_t nvec, int k) { return int(((nvec + k - 1) / k + 31) / 32 * 32); }
+
+// Rows an SM holds in flight with K packs a thread (0 where K cannot take the row).
+template <typename T, typename P, int PACK, int K, typename L>
+int fwd_block_rows_per_sm(int64_t nvec) {
+  const int threads = fwd_block_threads(nvec, K);
+  int per_sm = 0;
+  if (threads > (K >= 8 ? 512 : 1024) ||
+      max_blocks_per_sm(fwd_block_regs_kernel<T, P, PACK, K, L>, threads, 0, &per_sm) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return per_sm;
+}
+
+// 16-bit rows where 4 packs a thread would be chosen (H100, bf16, 49152 rows; docs/perf-notes.md):
+// - 6 packs (64 registers, 8-12 bytes spilled) where 4 leave one row an SM and 6 two:
+//   24576 columns, LayerNorm 1.13x and RMSNorm 1.04x faster.
+// - else 5 packs with a bias or a residual where 4 leave threads idle (a row of 544 packs
+//   on 160 threads) or 5 keep more of two rows an SM: LayerNorm 1.05-1.12x faster at
+//   4352-6656 and 12288 columns, add_layer_norm 1.02-1.06x; RMSNorm ran 3-7 % slower.
+// Knob JAX_OPS_NORM_FWD_BLOCK_K forces 4, 5, 6 or 8 packs where they fit.
+template <typename T, int PACK>
+constexpr bool kFwdBlockMorePacks = sizeof(T) == 2 && PACK == 8;
+
+template <typename T, typename P, int PACK, typename L>
+int fwd_block_packs(const FwdAddArgs& a, int forced) {
+  const int64_t nvec = a.cols / PACK;
+  if (forced == 5 || forced == 6 || forced == 8) {
+    const int rows = forced == 5   ? fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec)
+                     : forced == 6 ? fwd_block_rows_per_sm<T, P, PACK, 6, L>(nvec)
+                                   : fwd_block_rows_per_sm<T, P, PACK, 8, L>(nvec);
+    return rows > 0 ? forced : 4;
+  }
+  if (forced == 4) return 4;
+  const int rows4 = fwd_block_rows_per_sm<T, P, PACK, 4, L>(nvec);
+  if (rows4 == 1 && fwd_block_rows_per_sm<T, P, PACK, 6, L>(nvec) >= 2) return 6;
+  const bool biased = std::is_same_v<L, LoadAdd<T>> || a.bias != nullptr;
+  if (biased && (nvec % 128 != 0 || (rows4 <= 2 && fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec) > rows4))) return 5;
+  return 4;
+}
+
 // About 256 threads per row, more packs a thread for longer rows up to 4, then more
 // threads (512 threads at 2048 packs, 1024 at 4096). Up to 8 packs a thread (knob
-// JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS=8) takes 120 registers: two 256-thread rows an SM at
+// JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS=8) takes 90 registers: two 256-thread rows an SM at
 // 2048 packs, where two 512-thread rows of 4 packs measured 1.13x faster (LayerNorm,
 // 16384 bf16 columns; add+norm 1.29x), and one 1024-thread row 1.05x faster than one
 // of 512 threads at 4096 packs (add+norm 1.32x). At most 2 or 1 packs (knob 2, 1): as fast to
-// 2.3x slower at 4352-7168 columns (docs/perf-notes.md).
+// 2.3x slower at 4352-7168 columns (docs/perf-notes.md). 16-bit rows may take 5 or 6
+// (fwd_block_packs).
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
   static const int knob = env_knob("JAX_OPS_NORM_FWD_BLOCK_MAX_PACKS", 4);
   static const int max_packs = knob >= 8 ? 8 : (knob == 2 || knob == 1 ? knob : 4);
+  static const int forced = env_knob("JAX_OPS_NORM_FWD_BLOCK_K", 0);
   const int64_t nvec = a.cols / PACK;
   int k = 1;
   while (k < max_packs && nvec > int64_t(256) * k) k *= 2;
   while (nvec > int64_t(1024) * k) k *= 2;  // a knob's 1 or 2 packs: at most 1024 threads
-  const int threads = int(((nvec + k - 1) / k + 31) / 32 * 32);
+  if constexpr (kFwdBlockMorePacks<T, PACK>) {
+    if (k == 4 && max_packs == 4) k = fwd_block_packs<T, P, PACK, L>(a, forced);
+    if (k == 5) return launch_fwd_block_regs_k<T, P, PACK, 5, L>(a, fwd_block_threads(nvec, k), stream);
+    if (k == 6) return launch_fwd_block_regs_k<T, P, PACK, 6, L>(a, fwd_block_threads(nvec, k), stream);
+  }
+  const int threads = fwd_block_threads(nvec, k);
   switch (k) {
     case 1: return launch_fwd_block_regs_k<T, P, PACK, 1, L>(a, threads, stream);
     case 2: return launch_fwd_block_regs_k<T, P, PACK, 2, L>(a, threads, stream);
@@ -2127,12 +2179,12 @@ inline int bwd_bulk_stages() {
 }
 
 // The bulk kernel's grid when it applies (sm_90 code and device, its shared memory
-// granted): *parts blocks of `threads` (<= kBwdBulkMaxThreads), or *parts clusters of
-// *cs blocks (bwd_merge_blocks).
-template <typename T, typename P, int PACK, int K, typename S>
+// granted): *parts blocks of `threads` (<= kBwdBulkMaxThreads, or 1024 if WIDE), or
+// *parts clusters of *cs blocks (bwd_merge_blocks).
+template <typename T, typename P, int PACK, int K, typename S, bool WIDE>
 bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* smem, int* cs) {
   const int stages = bwd_bulk_stages();
-  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S>;
+  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S, WIDE>;
   if (stages == 0 || !clusters_supported(kernel)) return false;
   *smem = kBulkBarrierBytes + size_t(stages) * 2 * K * size_t(threads) * sizeof(Pack<T, PACK>);
   *cs = bwd_merge_blocks(a);
@@ -2151,28 +2203,41 @@ bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* sme
 }
 
 // The block tier with its rows staged by bulk copies: K packs a thread so that a block
-// has at most kBwdBulkMaxThreads. False (nothing launched) where it does not apply.
+// has at most kBwdBulkMaxThreads, or one pack a thread on up to 1024 (WIDE). False
+// (nothing launched) where it does not apply.
+template <typename T, typename P, int PACK, typename S, int K, bool WIDE>
+bool launch_bwd_bulk_k(const BwdAddArgs& a, int threads, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
+  int64_t parts = 0;
+  size_t smem = 0;
+  int cs = 1;
+  if (!bwd_bulk_grid<T, P, PACK, K, S, WIDE>(a, threads, &parts, &smem, &cs)) return false;
+  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S, WIDE>;
+  *err = run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
+    if (cs > 1)
+      return launch_clusters_smem(kernel, cs, threads, smem, parts, stream, static_cast<const typename S::Args&>(a),
+                                  ds, db, bwd_bulk_stages());
+    kernel<<<unsigned(parts), threads, smem, stream>>>(a, ds, db, bwd_bulk_stages());
+    return cudaGetLastError();
+  });
+  return true;
+}
+
+// add+norm's rows of 513-1023 packs take the wide block: 1.06-1.13x faster at 4352-6144
+// bf16 columns, 1.02-1.03x slower at 8192 (H100). The plain norms' backward measured
+// -4 % to +3 % there, so keeps two packs a thread (docs/perf-notes.md). Knob
+// JAX_OPS_NORM_BWD_BULK_WIDE: 0 = never, 2 = every op.
 template <typename T, typename P, int PACK, typename S, int K = 1>
 bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
+  static const int knob = env_knob("JAX_OPS_NORM_BWD_BULK_WIDE", 1);
+  const bool wide = knob == 2 || (knob == 1 && std::is_same_v<S, StoreDxAddDh<T>>);
   const int64_t nvec = a.cols / PACK;
+  if (K == 1 && wide && nvec > kBwdBulkMaxThreads && nvec < 1024)
+    return launch_bwd_bulk_k<T, P, PACK, S, 1, true>(a, int((nvec + 31) / 32 * 32), stream, plan, err);
   if (nvec > int64_t(kBwdBulkMaxThreads) * K) {
     if constexpr (K * 2 * PACK <= 16) return launch_bwd_block_bulk<T, P, PACK, S, K * 2>(a, stream, plan, err);
     else return false;
-  } else {
-    const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
-    int64_t parts = 0;
-    size_t smem = 0;
-    int cs = 1;
-    if (!bwd_bulk_grid<T, P, PACK, K, S>(a, threads, &parts, &smem, &cs)) return false;
-    *err = run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
-      if (cs > 1)
-        return launch_clusters_smem(bwd_bulk_kernel<T, P, PACK, K, S>, cs, threads, smem, parts, stream,
-                                    static_cast<const typename S::Args&>(a), ds, db, bwd_bulk_stages());
-      bwd_bulk_kernel<T, P, PACK, K, S><<<unsigned(parts), threads, smem, stream>>>(a, ds, db, bwd_bulk_stages());
-      return cudaGetLastError();
-    });
-    return true;
   }
+  return launch_bwd_bulk_k<T, P, PACK, S, K, false>(a, int(((nvec + K - 1) / K + 31) / 32 * 32), stream, plan, err);
 }
 
 template <typename T, typename P, int PACK, typename S, int K = 1>
