@@ -156,17 +156,25 @@ inline bool aligned_to(const void* p, size_t bytes) {
   return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-// Opt the kernel in to `smem` dynamic bytes (per device; the cache keeps the sizes set).
+// Opt the kernel in to `smem` dynamic bytes (per device). The attribute is the kernel's
+// maximum, so it is only ever raised: a smaller request after a larger one must not
+// lower it under a size an earlier launch decision relied on (the cache keeps the
+// largest size set for each kernel).
 template <typename Kernel>
 cudaError_t allow_smem(Kernel kernel, size_t smem) {
   if (smem <= 48 * 1024) return cudaSuccess;
-  int set = 0;
-  return cached_launch_query({0, kQuerySmemOptIn, 0, reinterpret_cast<const void*>(kernel), smem}, &set,
-                             [&](int* out) {
-                               *out = 1;
-                               return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                           int(smem));
-                             });
+  LaunchQuery key{0, kQuerySmemOptIn, 0, reinterpret_cast<const void*>(kernel), 0};
+  if (cudaGetDevice(&key.dev) != cudaSuccess) {
+    cudaGetLastError();
+    key.dev = -1;
+  }
+  LaunchQueryCache& cache = launch_query_cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  const auto it = cache.answers.find(key);
+  if (it != cache.answers.end() && size_t(it->second) >= smem) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (err == cudaSuccess) cache.answers[key] = int(smem);
+  return err;
 }
 
 // Whether a shared-memory-caching kernel can run with `smem` dynamic bytes (its static

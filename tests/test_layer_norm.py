@@ -238,6 +238,24 @@ def check_against_reference(op, x, scale, bias, dy, y, grads, *, epsilon=None, t
             assert_close(name, got, want, tol=tol, elem_tol=elem_tol)
 
 
+# --------------------------------------------------- process-wide launch state ---
+
+def test_cuda_backward_long_rows_after_a_narrower_block():
+    """One process runs the long-row backward at 12288, 20480 and again 12288 bf16 columns
+    (LayerNorm, then RMSNorm, the same CUDA kernel): its shared memory follows the block
+    (768 threads, 86 KiB; then 640, 72 KiB), and the kernel's opt-in must stay at the
+    largest size asked. An opt-in lowered by 20480 failed 12288's launch on the H100
+    (cudaErrorInvalidValue); on CPU the handlers run the same sequence."""
+    for i, (op, cols) in enumerate((("layer_norm", 12288), ("layer_norm", 20480), ("rms_norm", 12288))):
+        k = jax.random.split(jax.random.key(2200 + i), 4)
+        x = (jax.random.normal(k[0], (3, cols)) * 2 + 1).astype(jnp.bfloat16)
+        scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
+        bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
+        dy = jax.random.normal(k[3], (3, cols)).astype(jnp.bfloat16)
+        y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
+        check_against_reference(op, x, scale, bias, dy, y, grads)
+
+
 # ------------------------------------------------------------ test oracle ---
 
 @pytest.mark.parametrize("op", OPS)
