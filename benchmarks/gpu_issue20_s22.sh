@@ -8,7 +8,7 @@
 # thread, the four ops at WIDE_COLS); abstages (the bulk backward's
 # stages, knob JAX_OPS_NORM_BWD_BULK_STAGES, at STAGE_COLS); sank (memcheck of the four
 # ops at SAN_COLS under each K of SAN_K, 0 = the rule, 301 rows); sandef (memcheck /
-# synccheck of the defaults at SAN_COLS, racecheck of add+norm at RACE_COLS); probe (launch
+# synccheck of the defaults at SAN_COLS, racecheck of add+norm at RACE_COLS: sanitize.txt); probe (launch
 # errors at PROBE_SHAPES, old and new build); probesweep (the same in a
 # benchmark's order of shapes); table (TABLE_OPS' bf16 entries at TABLE_COLS); tests; sweepmid (item 1: auto / cuda /
 # pallas / flax at SWEEP_MID_COLS, the four ops, fwd and fwd_bwd); workspace.
@@ -49,14 +49,8 @@ if has sank; then
   stage_done sank
 fi
 if has sandef; then  # the defaults: memcheck / synccheck of the four ops, racecheck of add+norm's wide backward
-  { for tool in memcheck synccheck; do
-      ROWS=301 OPS=ln,rms,add_ln,add_rms timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 \
-        python3 benchmarks/sanitize_norm.py "${SAN_COLS:-4104,4352,4616,8192,12288,24576}" 2>&1; echo "$tool rc $?"
-    done
-    ROWS=301 OPS=add_ln,add_rms timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
-      python3 benchmarks/sanitize_norm.py "${RACE_COLS:-4352,8184}" 2>&1; echo "racecheck rc $?"; } > "$OUT/sandef.txt"
-  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sandef.txt" | tee -a "$LOG"
-  stage_done sandef
+  SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=add_ln,add_rms norm_sanitize 301 \
+    "${SAN_COLS:-4104,4352,4616,8192,12288,24576}" "${RACE_COLS:-4352,8184}"
 fi
 if has probe; then  # launch errors at PROBE_SHAPES: the previous build (.carry/_ffi_old.so.gz) and this one
   probe_body() {
@@ -85,4 +79,4 @@ if has sweepmid; then
     --mode fwd,fwd_bwd --cols "${SWEEP_MID_COLS:-4352,4608,5632,12288,20480,24576}"
 fi
 has workspace && workspace_stage workspace
-finish_call "log|env|abk|abkadd|abkauto|abwide|abstages|sank|sandef|probe|probesweep|tests|workspace"
+finish_call "log|env|abk|abkadd|abkauto|abwide|abstages|sank|sanitize|probe|probesweep|tests|workspace"

@@ -214,6 +214,9 @@ cudaError_t dispatch_group_shape(int64_t nvec, Launch&& launch) {
   return cudaErrorInvalidValue;
 }
 
+// Threads for nvec packs at k packs a thread, in whole warps.
+inline int warp_threads(int64_t nvec, int k) { return int(((nvec + k - 1) / k + 31) / 32 * 32); }
+
 // Threads for a block-per-row kernel: about four packs each, 128..1024, so that
 // several rows per multiprocessor are in flight between the block barriers.
 inline int block_threads(int64_t nvec) {

@@ -645,8 +645,10 @@ __device__ __forceinline__ void store_row_pack(T* y, int64_t v, const float (&ou
 // this pack's store. (A cluster version of this tier, the row split over 2-8 blocks,
 // measured 1.5-2x slower on the H100 at 16384-32768 columns with a cluster barrier a
 // row, 1.16-1.5x slower with ClusterExchange at 32768-65536: docs/perf-notes.md.)
+constexpr int fwd_block_max_threads(int k) { return k >= 8 ? 512 : 1024; }
+
 template <typename T, typename P, int PACK, int K, typename L, bool SPLIT = false>
-__global__ void __launch_bounds__(K >= 8 ? 512 : 1024) fwd_block_regs_kernel(typename L::Args a) {
+__global__ void __launch_bounds__(fwd_block_max_threads(K)) fwd_block_regs_kernel(typename L::Args a) {
   using PackT = Pack<T, PACK>;
   const int64_t nvec = a.cols / PACK;
   const L load(a);
@@ -1836,14 +1838,12 @@ cudaError_t launch_fwd_block_regs_k(const FwdAddArgs& a, int threads, cudaStream
   return cudaGetLastError();
 }
 
-inline int fwd_block_threads(int64_t nvec, int k) { return int(((nvec + k - 1) / k + 31) / 32 * 32); }
-
 // Rows an SM holds in flight with K packs a thread (0 where K cannot take the row).
 template <typename T, typename P, int PACK, int K, typename L>
 int fwd_block_rows_per_sm(int64_t nvec) {
-  const int threads = fwd_block_threads(nvec, K);
+  const int threads = warp_threads(nvec, K);
   int per_sm = 0;
-  if (threads > (K >= 8 ? 512 : 1024) ||
+  if (threads > fwd_block_max_threads(K) ||
       max_blocks_per_sm(fwd_block_regs_kernel<T, P, PACK, K, L>, threads, 0, &per_sm) != cudaSuccess) {
     cudaGetLastError();
     return 0;
@@ -1895,12 +1895,13 @@ cudaError_t launch_fwd_block_regs(const FwdAddArgs& a, cudaStream_t stream) {
   int k = 1;
   while (k < max_packs && nvec > int64_t(256) * k) k *= 2;
   while (nvec > int64_t(1024) * k) k *= 2;  // a knob's 1 or 2 packs: at most 1024 threads
-  if constexpr (kFwdBlockMorePacks<T, PACK>) {
+  if constexpr (kFwdBlockMorePacks<T, PACK>)
     if (k == 4 && max_packs == 4) k = fwd_block_packs<T, P, PACK, L>(a, forced);
-    if (k == 5) return launch_fwd_block_regs_k<T, P, PACK, 5, L>(a, fwd_block_threads(nvec, k), stream);
-    if (k == 6) return launch_fwd_block_regs_k<T, P, PACK, 6, L>(a, fwd_block_threads(nvec, k), stream);
+  const int threads = warp_threads(nvec, k);
+  if constexpr (kFwdBlockMorePacks<T, PACK>) {
+    if (k == 5) return launch_fwd_block_regs_k<T, P, PACK, 5, L>(a, threads, stream);
+    if (k == 6) return launch_fwd_block_regs_k<T, P, PACK, 6, L>(a, threads, stream);
   }
-  const int threads = fwd_block_threads(nvec, k);
   switch (k) {
     case 1: return launch_fwd_block_regs_k<T, P, PACK, 1, L>(a, threads, stream);
     case 2: return launch_fwd_block_regs_k<T, P, PACK, 2, L>(a, threads, stream);
@@ -2232,12 +2233,12 @@ bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pl
   const bool wide = knob == 2 || (knob == 1 && std::is_same_v<S, StoreDxAddDh<T>>);
   const int64_t nvec = a.cols / PACK;
   if (K == 1 && wide && nvec > kBwdBulkMaxThreads && nvec < 1024)
-    return launch_bwd_bulk_k<T, P, PACK, S, 1, true>(a, int((nvec + 31) / 32 * 32), stream, plan, err);
+    return launch_bwd_bulk_k<T, P, PACK, S, 1, true>(a, warp_threads(nvec, 1), stream, plan, err);
   if (nvec > int64_t(kBwdBulkMaxThreads) * K) {
     if constexpr (K * 2 * PACK <= 16) return launch_bwd_block_bulk<T, P, PACK, S, K * 2>(a, stream, plan, err);
     else return false;
   }
-  return launch_bwd_bulk_k<T, P, PACK, S, K, false>(a, int(((nvec + K - 1) / K + 31) / 32 * 32), stream, plan, err);
+  return launch_bwd_bulk_k<T, P, PACK, S, K, false>(a, warp_threads(nvec, K), stream, plan, err);
 }
 
 template <typename T, typename P, int PACK, typename S, int K = 1>
@@ -2255,7 +2256,7 @@ cudaError_t launch_bwd_block_regs(const BwdAddArgs& a, cudaStream_t stream, int6
       if (bulk_min_cols > 0 && a.cols >= bulk_min_cols && launch_bwd_block_bulk<T, P, PACK, S>(a, stream, plan, &err))
         return err;
     }
-    const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
+    const int threads = warp_threads(nvec, K);
     auto kernel = bwd_block_regs_kernel<T, P, PACK, K, S>;
     cudaError_t err;
     int blocks = 0;

@@ -699,7 +699,7 @@ template <int PACK, int MAX_VALUES, int K = 1, typename Launch>
 cudaError_t dispatch_block_k(int64_t nvec, Launch&& launch) {
   constexpr bool last = K * 2 * PACK > MAX_VALUES;
   if (nvec <= int64_t(kBlockThreads) * K) {
-    const int threads = int(((nvec + K - 1) / K + 31) / 32 * 32);
+    const int threads = warp_threads(nvec, K);
     return launch(std::integral_constant<int, K>{}, threads);
   }
   if constexpr (!last) return dispatch_block_k<PACK, MAX_VALUES, K * 2>(nvec, launch);
