@@ -22,7 +22,8 @@
 //                  of 2-8 blocks (row sums exchanged through distributed shared
 //                  memory), up to 8 values a thread: rows of up to 65536 (bf16);
 //                  16-bit rows keep their dscale/dbias partials (and scale) in
-//                  shared memory instead, one pack of each of two rows a thread.
+//                  shared memory instead, one pack of each of two rows a thread,
+//                  in clusters of any size from 2 to 8 (the most rows in flight).
 //   larger       : block per row for dx (x, dy cached in shared memory or read
 //                  twice) and a column-tiled kernel for the dscale/dbias partials.
 // Partials are [partial_rows, cols] float32 and summed by a second kernel in a
@@ -2348,15 +2349,44 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
   const int stride = vec ? bwd_cluster_smem_stride<PACK, true>() : bwd_cluster_smem_stride<PACK, false>();
   if (!on || !clusters_supported(kernel)) return false;
   const int64_t nvec = a.cols / PACK;
-  const ClusterShape shape = cluster_shape(nvec, max_threads, 1);
-  if (shape.threads > max_threads || int64_t(shape.cs) * shape.threads < nvec) return false;
-  const size_t smem = size_t(stride) * size_t(shape.threads) * sizeof(float);
+  // Each cluster works on two rows at a time, so the rows in flight are the resident
+  // clusters; any size of 2-8 blocks is legal. The power-of-two sizes (cluster_shape)
+  // left one block of 576-768 threads an SM at 9216-12288 and 20480-24576 bf16 columns.
+  // Rule (knob JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS = 0): of the sizes within kNearClusters
+  // of the most resident clusters, the one with the smallest blocks (measured faster
+  // than the most clusters in larger blocks, e.g. 8 x 320 against 5 x 512 threads at
+  // 20480). H100 bf16 backward against the power of two: 1.03-1.19x at 9216-32768
+  // columns, the same at 16384 (docs/perf-notes.md, twenty-third session).
+  // -1 = cluster_shape's power of two; 2-8 = that size where it fits.
+  static const int knob_cs = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS", 0);
+  constexpr double kNearClusters = 0.92;
+  const auto fit = [&](int cs, ClusterShape* shape, int64_t* clusters) {
+    *shape = cs > 0 ? ClusterShape{cs, int(((nvec + cs - 1) / cs + 31) / 32 * 32), 1} : cluster_shape(nvec, max_threads, 1);
+    if (shape->threads > max_threads || int64_t(shape->cs) * shape->threads < nvec) return false;
+    const size_t smem = size_t(stride) * size_t(shape->threads) * sizeof(float);
+    if (allow_smem(kernel, smem) != cudaSuccess ||
+        cluster_grid(kernel, shape->cs, shape->threads, int64_t(1) << 40, clusters, smem) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return true;
+  };
+  ClusterShape shape{};
   int64_t clusters = 0;
-  if (allow_smem(kernel, smem) != cudaSuccess ||
-      cluster_grid(kernel, shape.cs, shape.threads, cap_blocks(a, a.rows), &clusters, smem) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
+  if (knob_cs < 0 || (knob_cs >= 2 && knob_cs <= kMaxClusterBlocks)) {
+    if (!fit(knob_cs, &shape, &clusters)) return false;
+  } else {
+    ClusterShape fits[kMaxClusterBlocks + 1];
+    int64_t resident[kMaxClusterBlocks + 1] = {}, most = 0;
+    for (int cs = 2; cs <= kMaxClusterBlocks; ++cs)
+      if (fit(cs, &fits[cs], &resident[cs])) most = std::max(most, resident[cs]);
+    if (most == 0) return false;
+    for (int cs = 2; cs <= kMaxClusterBlocks; ++cs)
+      if (resident[cs] >= kNearClusters * double(most) && (clusters == 0 || fits[cs].threads < shape.threads))
+        shape = fits[cs], clusters = resident[cs];
   }
+  clusters = std::min(clusters, cap_blocks(a, a.rows));
+  const size_t smem = size_t(stride) * size_t(shape.threads) * sizeof(float);
   *err = run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
     return launch_clusters_smem(kernel, shape.cs, shape.threads, smem, clusters, stream,
                                 static_cast<const typename S::Args&>(a), ds, db);

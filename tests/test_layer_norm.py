@@ -256,6 +256,22 @@ def test_cuda_backward_long_rows_after_a_narrower_block():
         check_against_reference(op, x, scale, bias, dy, y, grads)
 
 
+@pytest.mark.parametrize("cols", [9216, 14336, 20480, 24576])
+def test_cuda_backward_cluster_sizes(cols):
+    """The 16-bit long-row backward splits a row over clusters of any size from 2 to 8
+    (from the H100's occupancy, 6 blocks are expected at 9216 and 24576 columns, 7 at
+    14336, 8 at 20480); 301 rows give each resident cluster more than one pair of rows,
+    the last pair half empty."""
+    for i, op in enumerate(("layer_norm", "rms_norm")):
+        k = jax.random.split(jax.random.key(cols + i), 4)
+        x = (jax.random.normal(k[0], (301, cols)) * 2 + 1).astype(jnp.bfloat16)
+        scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
+        bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
+        dy = jax.random.normal(k[3], (301, cols)).astype(jnp.bfloat16)
+        y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
+        check_against_reference(op, x, scale, bias, dy, y, grads)
+
+
 # ------------------------------------------------------------ test oracle ---
 
 @pytest.mark.parametrize("op", OPS)
