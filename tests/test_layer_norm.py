@@ -240,20 +240,27 @@ def check_against_reference(op, x, scale, bias, dy, y, grads, *, epsilon=None, t
 
 # --------------------------------------------------- process-wide launch state ---
 
+def check_cuda_bf16_rows(op, rows, cols, seed):
+    """The cuda implementation's forward and both gradients of fresh bf16 rows against
+    the float64 reference."""
+    k = jax.random.split(jax.random.key(seed), 4)
+    x = (jax.random.normal(k[0], (rows, cols)) * 2 + 1).astype(jnp.bfloat16)
+    scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
+    bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
+    dy = jax.random.normal(k[3], (rows, cols)).astype(jnp.bfloat16)
+    y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y, grads)
+
+
 def test_cuda_backward_long_rows_after_a_narrower_block():
     """One process runs the long-row backward at 12288, 20480 and again 12288 bf16 columns
     (LayerNorm, then RMSNorm, the same CUDA kernel): its shared memory follows the block
-    (768 threads, 86 KiB; then 640, 72 KiB), and the kernel's opt-in must stay at the
-    largest size asked. An opt-in lowered by 20480 failed 12288's launch on the H100
-    (cudaErrorInvalidValue); on CPU the handlers run the same sequence."""
+    (with power-of-two clusters 768 threads, 86 KiB; then 640, 72 KiB), and the kernel's
+    opt-in must stay at the largest size asked. An opt-in lowered by 20480 failed 12288's
+    launch on the H100 (cudaErrorInvalidValue); on CPU the handlers run the same
+    sequence. (JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS=-1 restores those shapes.)"""
     for i, (op, cols) in enumerate((("layer_norm", 12288), ("layer_norm", 20480), ("rms_norm", 12288))):
-        k = jax.random.split(jax.random.key(2200 + i), 4)
-        x = (jax.random.normal(k[0], (3, cols)) * 2 + 1).astype(jnp.bfloat16)
-        scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
-        bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
-        dy = jax.random.normal(k[3], (3, cols)).astype(jnp.bfloat16)
-        y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
-        check_against_reference(op, x, scale, bias, dy, y, grads)
+        check_cuda_bf16_rows(op, 3, cols, seed=2200 + i)
 
 
 @pytest.mark.parametrize("cols", [9216, 14336, 20480, 24576])
@@ -263,13 +270,7 @@ def test_cuda_backward_cluster_sizes(cols):
     14336, 8 at 20480); 301 rows give each resident cluster more than one pair of rows,
     the last pair half empty."""
     for i, op in enumerate(("layer_norm", "rms_norm")):
-        k = jax.random.split(jax.random.key(cols + i), 4)
-        x = (jax.random.normal(k[0], (301, cols)) * 2 + 1).astype(jnp.bfloat16)
-        scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
-        bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
-        dy = jax.random.normal(k[3], (301, cols)).astype(jnp.bfloat16)
-        y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
-        check_against_reference(op, x, scale, bias, dy, y, grads)
+        check_cuda_bf16_rows(op, 301, cols, seed=cols + i)
 
 
 # ------------------------------------------------------------ test oracle ---
