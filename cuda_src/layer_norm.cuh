@@ -1919,8 +1919,7 @@ inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k) {
   // The fewest blocks of <= max_threads threads; threads trimmed to what the row needs.
   int cs = 1;
   while (cs < kMaxClusterBlocks && nvec > int64_t(cs) * max_threads * k) cs *= 2;
-  const int64_t per_block = (nvec + int64_t(cs) * k - 1) / (int64_t(cs) * k);
-  return {cs, int((per_block + 31) / 32 * 32), k};
+  return {cs, warp_threads(nvec, cs * k), k};
 }
 
 template <typename T, typename P, int PACK, typename L>
@@ -2360,12 +2359,12 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
   // -1 = cluster_shape's power of two; 2-8 = that size where it fits.
   static const int knob_cs = env_knob("JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS", 0);
   constexpr double kNearClusters = 0.92;
+  const auto smem_of = [&](const ClusterShape& s) { return size_t(stride) * size_t(s.threads) * sizeof(float); };
   const auto fit = [&](int cs, ClusterShape* shape, int64_t* clusters) {
-    *shape = cs > 0 ? ClusterShape{cs, int(((nvec + cs - 1) / cs + 31) / 32 * 32), 1} : cluster_shape(nvec, max_threads, 1);
+    *shape = cs > 0 ? ClusterShape{cs, warp_threads(nvec, cs), 1} : cluster_shape(nvec, max_threads, 1);
     if (shape->threads > max_threads || int64_t(shape->cs) * shape->threads < nvec) return false;
-    const size_t smem = size_t(stride) * size_t(shape->threads) * sizeof(float);
-    if (allow_smem(kernel, smem) != cudaSuccess ||
-        cluster_grid(kernel, shape->cs, shape->threads, int64_t(1) << 40, clusters, smem) != cudaSuccess) {
+    if (allow_smem(kernel, smem_of(*shape)) != cudaSuccess ||
+        cluster_grid(kernel, shape->cs, shape->threads, int64_t(1) << 40, clusters, smem_of(*shape)) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -2386,7 +2385,7 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
         shape = fits[cs], clusters = resident[cs];
   }
   clusters = std::min(clusters, cap_blocks(a, a.rows));
-  const size_t smem = size_t(stride) * size_t(shape.threads) * sizeof(float);
+  const size_t smem = smem_of(shape);
   *err = run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
     return launch_clusters_smem(kernel, shape.cs, shape.threads, smem, clusters, stream,
                                 static_cast<const typename S::Args&>(a), ds, db);
