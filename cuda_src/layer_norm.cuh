@@ -1378,12 +1378,15 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
 // took more otherwise, one block fit, and 2048-4096 columns ran 5-10 % slower than the
 // register kernel); with more, 64 registers spill, so one block. WIDE: one pack a thread
 // in one block of up to 1024 threads (64 registers), for rows of 513-1023 packs, which
-// two packs a thread run on 288-512 threads, the SM's only block.
+// two packs a thread run on 288-512 threads, the SM's only block; WIDE_BLOCKS = 2: the
+// same in two blocks of up to kBwdBulkPairThreads an SM (56 registers, 8 bytes spilled).
 constexpr int kBulkBarrierBytes = 128;  // room for 16 mbarriers, one a stage
 constexpr int kBwdBulkMaxThreads = 512;
+constexpr int kBwdBulkPairThreads = 576;
 constexpr int kBwdBulkMinCols = 4096;
-template <typename T, typename P, int PACK, int K, typename S, bool WIDE = false>
-__global__ void __launch_bounds__(WIDE ? 1024 : kBwdBulkMaxThreads, WIDE ? 1 : (K == 1 ? 2 : 1))
+template <typename T, typename P, int PACK, int K, typename S, bool WIDE = false, int WIDE_BLOCKS = 1>
+__global__ void __launch_bounds__(WIDE ? (WIDE_BLOCKS == 2 ? kBwdBulkPairThreads : 1024) : kBwdBulkMaxThreads,
+                                  WIDE ? WIDE_BLOCKS : (K == 1 ? 2 : 1))
     bwd_bulk_kernel(typename S::Args a, float* part_ds, float* part_db, int stages) {
   static_assert(!WIDE || K == 1, "the wide block holds one pack a thread");
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -1853,8 +1856,10 @@ int fwd_block_rows_per_sm(int64_t nvec) {
 }
 
 // 16-bit rows where 4 packs a thread would be chosen (H100, bf16, 49152 rows; docs/perf-notes.md):
-// - 6 packs (64 registers, 8-12 bytes spilled) where 4 leave one row an SM and 6 two:
-//   24576 columns, LayerNorm 1.13x and RMSNorm 1.04x faster.
+// - where 4 leave one row an SM, 5 packs if they keep two (2049-2560 packs: 16392-20480
+//   columns; 1.01-1.30x faster than 6 packs, float16 most), else 6 packs (64 registers,
+//   8-12 bytes spilled) if they do: 24576 columns, LayerNorm 1.13x and RMSNorm 1.04x
+//   faster than 4.
 // - else 5 packs with a bias or a residual where 4 leave threads idle (a row of 544 packs
 //   on 160 threads) or 5 keep more of two rows an SM: LayerNorm 1.05-1.12x faster at
 //   4352-6656 and 12288 columns, add_layer_norm 1.02-1.06x; RMSNorm ran 3-7 % slower.
@@ -1873,6 +1878,7 @@ int fwd_block_packs(const FwdAddArgs& a, int forced) {
   }
   if (forced == 4) return 4;
   const int rows4 = fwd_block_rows_per_sm<T, P, PACK, 4, L>(nvec);
+  if (rows4 == 1 && fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec) >= 2) return 5;
   if (rows4 == 1 && fwd_block_rows_per_sm<T, P, PACK, 6, L>(nvec) >= 2) return 6;
   const bool biased = std::is_same_v<L, LoadAdd<T>> || a.bias != nullptr;
   if (biased && (nvec % 128 != 0 || (rows4 <= 2 && fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec) > rows4))) return 5;
@@ -2182,10 +2188,10 @@ inline int bwd_bulk_stages() {
 // The bulk kernel's grid when it applies (sm_90 code and device, its shared memory
 // granted): *parts blocks of `threads` (<= kBwdBulkMaxThreads, or 1024 if WIDE), or
 // *parts clusters of *cs blocks (bwd_merge_blocks).
-template <typename T, typename P, int PACK, int K, typename S, bool WIDE>
+template <typename T, typename P, int PACK, int K, typename S, bool WIDE, int WIDE_BLOCKS>
 bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* smem, int* cs) {
   const int stages = bwd_bulk_stages();
-  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S, WIDE>;
+  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S, WIDE, WIDE_BLOCKS>;
   if (stages == 0 || !clusters_supported(kernel)) return false;
   *smem = kBulkBarrierBytes + size_t(stages) * 2 * K * size_t(threads) * sizeof(Pack<T, PACK>);
   *cs = bwd_merge_blocks(a);
@@ -2206,13 +2212,13 @@ bool bwd_bulk_grid(const BwdAddArgs& a, int threads, int64_t* parts, size_t* sme
 // The block tier with its rows staged by bulk copies: K packs a thread so that a block
 // has at most kBwdBulkMaxThreads, or one pack a thread on up to 1024 (WIDE). False
 // (nothing launched) where it does not apply.
-template <typename T, typename P, int PACK, typename S, int K, bool WIDE>
+template <typename T, typename P, int PACK, typename S, int K, bool WIDE, int WIDE_BLOCKS = 1>
 bool launch_bwd_bulk_k(const BwdAddArgs& a, int threads, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
   int64_t parts = 0;
   size_t smem = 0;
   int cs = 1;
-  if (!bwd_bulk_grid<T, P, PACK, K, S, WIDE>(a, threads, &parts, &smem, &cs)) return false;
-  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S, WIDE>;
+  if (!bwd_bulk_grid<T, P, PACK, K, S, WIDE, WIDE_BLOCKS>(a, threads, &parts, &smem, &cs)) return false;
+  auto kernel = bwd_bulk_kernel<T, P, PACK, K, S, WIDE, WIDE_BLOCKS>;
   *err = run_bwd_grid<P>(a, parts, stream, plan, [&](float* ds, float* db) {
     if (cs > 1)
       return launch_clusters_smem(kernel, cs, threads, smem, parts, stream, static_cast<const typename S::Args&>(a),
@@ -2227,11 +2233,18 @@ bool launch_bwd_bulk_k(const BwdAddArgs& a, int threads, cudaStream_t stream, in
 // bf16 columns, 1.02-1.03x slower at 8192 (H100). The plain norms' backward measured
 // -4 % to +3 % there, so keeps two packs a thread (docs/perf-notes.md). Knob
 // JAX_OPS_NORM_BWD_BULK_WIDE: 0 = never, 2 = every op.
+// Rows of 513-576 packs (4104-4608 16-bit columns) take it two blocks an SM, every op:
+// the plain norms' backward 1.12-1.21x faster than two packs a thread on 9 warps an SM
+// (LayerNorm 4352 572 -> 487 µs, 80 -> 94 % of 3X), add+norm's 1.01-1.07x faster than
+// one wide block (H100 bf16, 49152 rows). Knob JAX_OPS_NORM_BWD_BULK_PAIR: 0 = never.
 template <typename T, typename P, int PACK, typename S, int K = 1>
 bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
   static const int knob = env_knob("JAX_OPS_NORM_BWD_BULK_WIDE", 1);
+  static const bool pair = env_knob("JAX_OPS_NORM_BWD_BULK_PAIR", 1) != 0;
   const bool wide = knob == 2 || (knob == 1 && std::is_same_v<S, StoreDxAddDh<T>>);
   const int64_t nvec = a.cols / PACK;
+  if (K == 1 && pair && nvec > kBwdBulkMaxThreads && nvec <= kBwdBulkPairThreads)
+    return launch_bwd_bulk_k<T, P, PACK, S, 1, true, 2>(a, warp_threads(nvec, 1), stream, plan, err);
   if (K == 1 && wide && nvec > kBwdBulkMaxThreads && nvec < 1024)
     return launch_bwd_bulk_k<T, P, PACK, S, 1, true>(a, warp_threads(nvec, 1), stream, plan, err);
   if (nvec > int64_t(kBwdBulkMaxThreads) * K) {

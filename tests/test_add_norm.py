@@ -152,12 +152,14 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape,dtype", [((1201, 8192), "bfloat16"), ((2501, 4096), "float16"),
                                          ((801, 16384), "bfloat16"), ((30011, 128), "bfloat16"),
+                                         ((1201, 4352), "bfloat16"), ((97, 18440), "float16"),
                                          ((20011, 256), "float32")], ids=str)
 def test_many_rows(op, shape, dtype):
     """More rows than a GPU runs blocks at once: the sm_90 bulk-staged backward (x and dy
     in shared memory, 3 rows a block, dh added as dx is written) refills its stages
     several times over; 16384 columns walk the cluster tier's rows; 128 columns the group
-    tier's tiles (dh loaded with the row)."""
+    tier's tiles (dh loaded with the row); 4352 columns the one-pack bulk block, two an
+    SM; 18440 the block forward's 5 packs a thread."""
     need("cuda")
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"many{op}{shape}{dtype}"), shape, dtype, "float32",
                                             "float32" if op == "add_layer_norm" else None)

@@ -240,14 +240,14 @@ def check_against_reference(op, x, scale, bias, dy, y, grads, *, epsilon=None, t
 
 # --------------------------------------------------- process-wide launch state ---
 
-def check_cuda_bf16_rows(op, rows, cols, seed):
-    """The cuda implementation's forward and both gradients of fresh bf16 rows against
-    the float64 reference."""
+def check_cuda_bf16_rows(op, rows, cols, seed, dtype=jnp.bfloat16):
+    """The cuda implementation's forward and both gradients of fresh rows (bf16 unless
+    dtype) against the float64 reference."""
     k = jax.random.split(jax.random.key(seed), 4)
-    x = (jax.random.normal(k[0], (rows, cols)) * 2 + 1).astype(jnp.bfloat16)
+    x = (jax.random.normal(k[0], (rows, cols)) * 2 + 1).astype(dtype)
     scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
     bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
-    dy = jax.random.normal(k[3], (rows, cols)).astype(jnp.bfloat16)
+    dy = jax.random.normal(k[3], (rows, cols)).astype(dtype)
     y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
     check_against_reference(op, x, scale, bias, dy, y, grads)
 
@@ -261,6 +261,23 @@ def test_cuda_backward_long_rows_after_a_narrower_block():
     sequence. (JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS=-1 restores those shapes.)"""
     for i, (op, cols) in enumerate((("layer_norm", 12288), ("layer_norm", 20480), ("rms_norm", 12288))):
         check_cuda_bf16_rows(op, 3, cols, seed=2200 + i)
+
+
+@pytest.mark.parametrize("cols", [4104, 4352, 4608])
+def test_cuda_backward_two_one_pack_blocks_an_sm(cols):
+    """Rows of 513-576 16-byte packs: the bulk backward's one-pack block, two an SM (264
+    on an H100, in clusters of 2); 601 rows take each block's stages past one refill."""
+    for i, op in enumerate(("layer_norm", "rms_norm")):
+        check_cuda_bf16_rows(op, 601, cols, seed=cols + 10 + i)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cols", [16392, 18440, 20480])
+def test_cuda_forward_five_packs_a_thread(cols, dtype):
+    """16-bit rows of 2049-2560 packs: the block forward's 5 packs a thread (410-512
+    threads, the last thread's packs partly past the row at 16392 and 18440)."""
+    for i, op in enumerate(("layer_norm", "rms_norm")):
+        check_cuda_bf16_rows(op, 37, cols, seed=cols + 20 + i, dtype=jnp.dtype(dtype))
 
 
 @pytest.mark.parametrize("cols", [9216, 14336, 20480, 24576])
