@@ -6,7 +6,10 @@
 # main has JAX_OPS_NORM_BWD_BULK_PAIR, 0 = off); tests; san (memcheck / synccheck of the
 # four ops at SAN_COLS, 301 rows, racecheck at RACE_COLS); sweep / sweepf16 (item 1:
 # auto / cuda / pallas / flax in bf16 at SWEEP_COLS, auto / cuda / flax in f16 at
-# SWEEP_F16_COLS); workspace.
+# SWEEP_F16_COLS); workspace; cs16 (the cluster backward's size up to 16, knobs
+# JAX_OPS_NORM_BWD_CLUSTER_SMEM_{CS,MAX_CS,MIN_BYTES}, at CS16_SHAPES rows:cols; run 4's
+# build); fwdwide (the forward at FWDWIDE_COLS under each of FWDWIDE_CFGS; run 5's build
+# had knob JAX_OPS_NORM_FWD_BLOCK_REGS_MAX_VEC).
 # Usage: bash benchmarks/gpu_issue20_s24.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -24,6 +27,43 @@ if has abwide2; then
     --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode "${WIDE2_MODES:-bwd,fwd_bwd}" \
     --cols "${WIDE2_COLS:-4104,4352,4608}"
 fi
+if has cs16; then  # the 65536-column backward in clusters of up to 16 blocks (non-portable)
+  for cfg in ${CS16_CFGS:-default CS=16 CS=16,MIN_BYTES=120000 CS=12 CS=10 MAX_CS=16 default}; do
+    envs=(X=0); [ "$cfg" = default ] || for kv in ${cfg//,/ }; do envs+=("JAX_OPS_NORM_BWD_CLUSTER_SMEM_$kv"); done
+    echo "== $cfg"
+    env "${envs[@]}" python3 -c "
+from jax_ops import _extension as e
+for op in ('layer_norm', 'rms_norm'):
+    for rows, cols in ((4096, 65536), (8192, 32768), (16384, 16384)):
+        print(op, rows, cols, 'partial rows', e.norm_bwd_partial_rows('bfloat16', 'float32', rows, cols,
+              rms=op == 'rms_norm', add=False, dscale=True, dbias=op != 'rms_norm'))"
+    for rows_cols in ${CS16_SHAPES:-4096:65536}; do
+      env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda \
+        --rows ${rows_cols%:*} --cols ${rows_cols#*:} --op layer_norm,rms_norm --mode bwd,fwd_bwd
+    done
+  done > "$OUT/cs16.txt" 2>&1
+  grep -E "^== |partial rows|^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/cs16.txt" | tee -a "$LOG"
+  stage_done cs16
+fi
+# One cuda benchmark a configuration (a comma list of knob=value, each knob name without
+# its JAX_OPS_NORM_ prefix; "default" for none) and dtype, to $OUT/NAME.txt and the log:
+# cfg_sweep NAME "CFGS" "DTYPES" BENCH-ARGS...
+cfg_sweep() {
+  local name=$1 cfgs=$2 dtypes=$3 cfg kv dt
+  shift 3
+  for cfg in $cfgs; do
+    envs=(X=0); [ "$cfg" = default ] || for kv in ${cfg//,/ }; do envs+=("JAX_OPS_NORM_$kv"); done
+    echo "== $cfg"
+    for dt in $dtypes; do
+      env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda "$@"
+    done
+  done > "$OUT/$name.txt" 2>&1
+  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
+}
+has fwdwide && cfg_sweep fwdwide "${FWDWIDE_CFGS:-default FWD_BLOCK_K=8 FWD_BLOCK_K=4 FWD_BLOCK_REGS_MAX_VEC=2048 \
+  FWD_BLOCK_REGS_MAX_VEC=2048,FWD_CLUSTER_MIN_BYTES=32768 default}" "f16 bf16" --rows 49152 \
+  --op layer_norm,rms_norm --mode fwd --cols "${FWDWIDE_COLS:-22528,24576}"
 has tests && norm_tests
 if has san; then
   SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln,add_ln norm_sanitize 301 "${SAN_COLS:-4104,4352,4608,16392,18440}" \

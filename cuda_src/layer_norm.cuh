@@ -2234,9 +2234,9 @@ bool launch_bwd_bulk_k(const BwdAddArgs& a, int threads, cudaStream_t stream, in
 // -4 % to +3 % there, so keeps two packs a thread (docs/perf-notes.md). Knob
 // JAX_OPS_NORM_BWD_BULK_WIDE: 0 = never, 2 = every op.
 // Rows of 513-576 packs (4104-4608 16-bit columns) take it two blocks an SM, every op:
-// the plain norms' backward 1.12-1.21x faster than two packs a thread on 9 warps an SM
-// (LayerNorm 4352 572 -> 487 µs, 80 -> 94 % of 3X), add+norm's 1.01-1.07x faster than
-// one wide block (H100 bf16, 49152 rows). Knob JAX_OPS_NORM_BWD_BULK_PAIR: 0 = never.
+// the plain norms' backward 1.06-1.22x faster than two packs a thread (9 warps, the SM's
+// only block; LayerNorm 4352 571 -> 487 µs, 80 -> 94 % of 3X), add+norm's 1.00-1.07x
+// faster than one wide block (H100 bf16, 49152 rows). Knob JAX_OPS_NORM_BWD_BULK_PAIR: 0 = never.
 template <typename T, typename P, int PACK, typename S, int K = 1>
 bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
   static const int knob = env_knob("JAX_OPS_NORM_BWD_BULK_WIDE", 1);
