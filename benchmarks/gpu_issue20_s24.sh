@@ -9,7 +9,8 @@
 # SWEEP_F16_COLS); workspace; cs16 (the cluster backward's size up to 16, knobs
 # JAX_OPS_NORM_BWD_CLUSTER_SMEM_{CS,MAX_CS,MIN_BYTES}, at CS16_SHAPES rows:cols; run 4's
 # build); fwdwide (the forward at FWDWIDE_COLS under each of FWDWIDE_CFGS; run 5's build
-# had knob JAX_OPS_NORM_FWD_BLOCK_REGS_MAX_VEC).
+# had knob JAX_OPS_NORM_FWD_BLOCK_REGS_MAX_VEC); table (the dispatch table's TABLE_DT entries of
+# TABLE_OPS at TABLE_COLS re-measured on this GPU, then auto / cuda / flax at TABLE_SWEEP_COLS).
 # Usage: bash benchmarks/gpu_issue20_s24.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -64,6 +65,13 @@ cfg_sweep() {
 has fwdwide && cfg_sweep fwdwide "${FWDWIDE_CFGS:-default FWD_BLOCK_K=8 FWD_BLOCK_K=4 FWD_BLOCK_REGS_MAX_VEC=2048 \
   FWD_BLOCK_REGS_MAX_VEC=2048,FWD_CLUSTER_MIN_BYTES=32768 default}" "f16 bf16" --rows 49152 \
   --op layer_norm,rms_norm --mode fwd --cols "${FWDWIDE_COLS:-22528,24576}"
+if has table; then  # TABLE_DT entries of TABLE_OPS at TABLE_COLS, into TABLE (default: this GPU's file)
+  TABLE=${TABLE:-jax_ops/tables/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 |
+    tr 'A-Z' 'a-z' | sed 's/[^a-z0-9]\+/_/g; s/_$//').json} TABLE_MODES=${TABLE_MODES:-fwd,bwd,step,fwd_res} \
+    table_stage ${TABLE_DT:-bf16} "${TABLE_OPS:-rms_norm}" "${TABLE_COLS:-4352,16384,20480,24576,32768}"
+  SWEEP_IMPLS=auto,cuda,flax sweep_stage sweep_table --dtype ${TABLE_DT:-bf16} --rows 49152 --op "${TABLE_OPS:-rms_norm}" \
+    --mode fwd,fwd_bwd --cols "${TABLE_SWEEP_COLS:-4352,4608,20480,24576}"
+fi
 has tests && norm_tests
 if has san; then
   SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln,add_ln norm_sanitize 301 "${SAN_COLS:-4104,4352,4608,16392,18440}" \
