@@ -240,7 +240,7 @@ def check_against_reference(op, x, scale, bias, dy, y, grads, *, epsilon=None, t
 
 # --------------------------------------------------- process-wide launch state ---
 
-def check_cuda_bf16_rows(op, rows, cols, seed, dtype=jnp.bfloat16):
+def check_cuda_rows(op, rows, cols, seed, dtype=jnp.bfloat16):
     """The cuda implementation's forward and both gradients of fresh rows (bf16 unless
     dtype) against the float64 reference."""
     k = jax.random.split(jax.random.key(seed), 4)
@@ -260,15 +260,16 @@ def test_cuda_backward_long_rows_after_a_narrower_block():
     launch on the H100 (cudaErrorInvalidValue); on CPU the handlers run the same
     sequence. (JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS=-1 restores those shapes.)"""
     for i, (op, cols) in enumerate((("layer_norm", 12288), ("layer_norm", 20480), ("rms_norm", 12288))):
-        check_cuda_bf16_rows(op, 3, cols, seed=2200 + i)
+        check_cuda_rows(op, 3, cols, seed=2200 + i)
 
 
 @pytest.mark.parametrize("cols", [4104, 4352, 4608])
 def test_cuda_backward_two_one_pack_blocks_an_sm(cols):
     """Rows of 513-576 16-byte packs: the bulk backward's one-pack block, two an SM (264
-    on an H100, in clusters of 2); 601 rows take each block's stages past one refill."""
+    on an H100, in clusters of 2, 3 rows staged a block); 1201 rows give a block 4-5
+    rows, so each refills a stage."""
     for i, op in enumerate(("layer_norm", "rms_norm")):
-        check_cuda_bf16_rows(op, 601, cols, seed=cols + 10 + i)
+        check_cuda_rows(op, 1201, cols, seed=cols + 10 + i)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -277,7 +278,7 @@ def test_cuda_forward_five_packs_a_thread(cols, dtype):
     """16-bit rows of 2049-2560 packs: the block forward's 5 packs a thread (410-512
     threads, the last thread's packs partly past the row at 16392 and 18440)."""
     for i, op in enumerate(("layer_norm", "rms_norm")):
-        check_cuda_bf16_rows(op, 37, cols, seed=cols + 20 + i, dtype=jnp.dtype(dtype))
+        check_cuda_rows(op, 37, cols, seed=cols + 20 + i, dtype=jnp.dtype(dtype))
 
 
 @pytest.mark.parametrize("cols", [9216, 14336, 20480, 24576])
@@ -287,7 +288,7 @@ def test_cuda_backward_cluster_sizes(cols):
     14336, 8 at 20480); 301 rows give each resident cluster more than one pair of rows,
     the last pair half empty."""
     for i, op in enumerate(("layer_norm", "rms_norm")):
-        check_cuda_bf16_rows(op, 301, cols, seed=cols + i)
+        check_cuda_rows(op, 301, cols, seed=cols + i)
 
 
 # ------------------------------------------------------------ test oracle ---
