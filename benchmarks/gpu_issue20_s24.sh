@@ -28,9 +28,16 @@ if has abwide2; then
     --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode "${WIDE2_MODES:-bwd,fwd_bwd}" \
     --cols "${WIDE2_COLS:-4104,4352,4608}"
 fi
+# envs=(...): the environment assignments of a configuration CFG (a comma list of
+# name=value, each name without PREFIX; "default" for none): knob_envs PREFIX CFG
+knob_envs() {
+  local kv
+  envs=(X=0)
+  [ "$2" = default ] || for kv in ${2//,/ }; do envs+=("$1$kv"); done
+}
 if has cs16; then  # the 65536-column backward in clusters of up to 16 blocks (non-portable)
   for cfg in ${CS16_CFGS:-default CS=16 CS=16,MIN_BYTES=120000 CS=12 CS=10 MAX_CS=16 default}; do
-    envs=(X=0); [ "$cfg" = default ] || for kv in ${cfg//,/ }; do envs+=("JAX_OPS_NORM_BWD_CLUSTER_SMEM_$kv"); done
+    knob_envs JAX_OPS_NORM_BWD_CLUSTER_SMEM_ "$cfg"
     echo "== $cfg"
     env "${envs[@]}" python3 -c "
 from jax_ops import _extension as e
@@ -50,10 +57,10 @@ fi
 # its JAX_OPS_NORM_ prefix; "default" for none) and dtype, to $OUT/NAME.txt and the log:
 # cfg_sweep NAME "CFGS" "DTYPES" BENCH-ARGS...
 cfg_sweep() {
-  local name=$1 cfgs=$2 dtypes=$3 cfg kv dt
+  local name=$1 cfgs=$2 dtypes=$3 cfg dt
   shift 3
   for cfg in $cfgs; do
-    envs=(X=0); [ "$cfg" = default ] || for kv in ${cfg//,/ }; do envs+=("JAX_OPS_NORM_$kv"); done
+    knob_envs JAX_OPS_NORM_ "$cfg"
     echo "== $cfg"
     for dt in $dtypes; do
       env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda "$@"

@@ -1878,10 +1878,11 @@ int fwd_block_packs(const FwdAddArgs& a, int forced) {
   }
   if (forced == 4) return 4;
   const int rows4 = fwd_block_rows_per_sm<T, P, PACK, 4, L>(nvec);
-  if (rows4 == 1 && fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec) >= 2) return 5;
+  const int rows5 = fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec);
+  if (rows4 == 1 && rows5 >= 2) return 5;
   if (rows4 == 1 && fwd_block_rows_per_sm<T, P, PACK, 6, L>(nvec) >= 2) return 6;
   const bool biased = std::is_same_v<L, LoadAdd<T>> || a.bias != nullptr;
-  if (biased && (nvec % 128 != 0 || (rows4 <= 2 && fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec) > rows4))) return 5;
+  if (biased && (nvec % 128 != 0 || (rows4 <= 2 && rows5 > rows4))) return 5;
   return 4;
 }
 
