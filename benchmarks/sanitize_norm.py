@@ -2,7 +2,8 @@
 shapes, and add+norm's with OPS (environment, a comma list of ln, rms, add_ln, add_rms;
 default ln,rms); meant to run under compute-sanitizer (memcheck/racecheck) on the GPU. Compares
 with the xla implementation. ROWS (environment) overrides the rows: more rows than the
-GPU runs blocks at once make the sm_90 bulk tiers refill their stages."""
+GPU runs blocks at once make the sm_90 bulk tiers refill their stages. DTYPES (environment,
+a comma list of float32, bfloat16, float16; default float32,bfloat16) the dtypes."""
 import os
 import sys
 
@@ -34,7 +35,7 @@ if IMPL == "pallas":
     COLS = [c for c in COLS if c <= MAX_COLS]
 worst = 0.0
 for cols in COLS:
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in [jnp.dtype(d) for d in os.environ.get("DTYPES", "float32,bfloat16").split(",")]:
         for op in os.environ.get("OPS", "ln,rms").split(","):
             rows = int(os.environ.get("ROWS", 3 if cols > 8192 else 17))
             k = jax.random.split(jax.random.key(cols), 4)

@@ -126,6 +126,30 @@ __device__ __forceinline__ NormAcc group_merge(NormAcc acc, bool rms) {
   return acc;
 }
 
+// Merge over aligned groups of WIDTH lanes of any counts, by sums: the group's count and
+// mean (one division), then M2 = sum of (m2 + count * (mean_lane - mean)^2). Butterfly
+// sums end bitwise equal on every lane (a + b == b + a), and no lane waits on a divergent
+// Welford merge (a warp's two branches, a division each, five times): a row's last pass
+// leaves one warp of mixed counts (16392 columns at 5 packs on 416 threads), and the
+// block waits for that warp.
+template <int WIDTH>
+__device__ __forceinline__ NormAcc group_merge_sums(NormAcc acc, bool rms) {
+  float n = acc.count, s = acc.mean * acc.count;
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) {
+    n += __shfl_xor_sync(0xffffffffu, n, off, WIDTH);
+    if (!rms) s += __shfl_xor_sync(0xffffffffu, s, off, WIDTH);
+  }
+  const float mean = (rms || n == 0.f) ? 0.f : fast_div(s, n);
+  const float d = acc.mean - mean;
+  float q = rms ? acc.m2 : acc.m2 + acc.count * d * d;
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2) q += __shfl_xor_sync(0xffffffffu, q, off, WIDTH);
+  NormAcc out;
+  out.mean = mean; out.m2 = q; out.count = n;
+  return out;
+}
+
 // Chan's merge of two halves holding the same count n each: no division (the general
 // Welford merge divides by the summed count, and lanes diverge on which state goes first).
 // The lower lane's state goes first, so every lane ends with bitwise equal stats.
@@ -148,12 +172,16 @@ __device__ __forceinline__ void group_merge_equal(float& mean, float& m2, float&
 // holds the same count (the row is K packs of every thread), so the warps merge equal
 // halves without division, and warp 0 too when the warps are a power of two. (The
 // general merges took 6-10 % of the LayerNorm forward at 16384-32768 columns on the
-// H100: docs/perf-notes.md.)
+// H100: docs/perf-notes.md.) Other merges by sums (group_merge_sums; LayerNorm's forward
+// 1.07-1.16x faster at 4352-22528 columns on the H200), or with SUMS false the Welford
+// merges (group_merge).
+template <bool SUMS = true>
 __device__ __forceinline__ NormAcc block_acc_warp0(NormAcc acc, bool rms, bool uniform) {
   __shared__ float red[3][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
   uniform = uniform && blockDim.x % 32 == 0;
   if (uniform) group_merge_equal<32>(acc.mean, acc.m2, acc.count, lane, rms);
+  else if constexpr (SUMS) acc = group_merge_sums<32>(acc, rms);
   else acc = group_merge<32>(acc, rms);
   if (lane == 0) { red[0][warp] = acc.mean; red[1][warp] = acc.m2; red[2][warp] = acc.count; }
   __syncthreads();
@@ -167,6 +195,8 @@ __device__ __forceinline__ NormAcc block_acc_warp0(NormAcc acc, bool rms, bool u
       else if (nwarps == 8) group_merge_equal<8>(w.mean, w.m2, w.count, lane, rms);
       else if (nwarps == 4) group_merge_equal<4>(w.mean, w.m2, w.count, lane, rms);
       else if (nwarps == 2) group_merge_equal<2>(w.mean, w.m2, w.count, lane, rms);
+    } else if constexpr (SUMS) {
+      w = group_merge_sums<32>(w, rms);
     } else {
       w = group_merge<32>(w, rms);
     }
@@ -176,9 +206,10 @@ __device__ __forceinline__ NormAcc block_acc_warp0(NormAcc acc, bool rms, bool u
 }
 
 // The block's row statistics, returned to every thread.
+template <bool SUMS = true>
 __device__ __forceinline__ RowStats block_stats(NormAcc acc, int64_t cols, float eps, bool rms, bool uniform = false) {
   __shared__ RowStats bcast;
-  const NormAcc w = block_acc_warp0(acc, rms, uniform);
+  const NormAcc w = block_acc_warp0<SUMS>(acc, rms, uniform);
   if (threadIdx.x == 0) bcast = finish_stats(w, cols, eps, rms);
   __syncthreads();
   return bcast;
@@ -322,12 +353,12 @@ struct ClusterExchange {
 
 // The row statistics of a block (CLUSTER: of the cluster, the blocks' states exchanged
 // as use `use` and merged in a fixed tree, the same in every block), to every thread.
-template <bool CLUSTER>
+template <bool CLUSTER, bool SUMS = true>
 __device__ __forceinline__ RowStats row_stats(NormAcc acc, int64_t cols, float eps, bool rms, bool uniform, int use) {
   if constexpr (!CLUSTER) {
-    return block_stats(acc, cols, eps, rms, uniform);
+    return block_stats<SUMS>(acc, cols, eps, rms, uniform);
   } else {
-    const NormAcc w = block_acc_warp0(acc, rms, uniform);
+    const NormAcc w = block_acc_warp0<SUMS>(acc, rms, uniform);
     float v[4] = {w.mean, w.m2, w.count, 0.f};
     ClusterExchange<4>::push(v, use);
     ClusterExchange<4>::gather(v, use);
@@ -602,6 +633,40 @@ template <typename T, int PACK>
 struct RowWords {
   static constexpr int kWords = int((sizeof(T) * PACK + 3) / 4);
   uint32_t w[kWords];
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) w[i] = 0u;
+  }
+  // The pack at p, in 16-byte words where it has whole ones: through a Pack of 16-bit
+  // structs, ptxas kept float16 values one a register (fwd_block_regs_kernel at 6 packs
+  // spilled 24 / 48 bytes, bfloat16 8 / 8).
+  __device__ __forceinline__ void load(const T* p) {
+    if constexpr (sizeof(T) * PACK % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < kWords; i += 4) {
+        const uint4 q = reinterpret_cast<const uint4*>(p)[i / 4];
+        w[i] = q.x; w[i + 1] = q.y; w[i + 2] = q.z; w[i + 3] = q.w;
+      }
+    } else {
+      set(*reinterpret_cast<const Pack<T, PACK>*>(p));
+    }
+  }
+  // h = x + residual rounded to T (add_rounded), kept here and written to h: 16-bit
+  // whole words only (the same spills as load's).
+  __device__ __forceinline__ void load_add(const T* x, const T* residual, T* h) {
+    static_assert(sizeof(T) == 2 && PACK % 8 == 0, "16-byte words of 16-bit values");
+    RowWords xw, rw;
+    xw.load(x);
+    rw.load(residual);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i)
+      w[i] = uint32_t(from_float<T>(xw.template value<false>(2 * i) + rw.template value<false>(2 * i)).bits) |
+             (uint32_t(from_float<T>(xw.template value<false>(2 * i + 1) + rw.template value<false>(2 * i + 1)).bits)
+              << 16);
+#pragma unroll
+    for (int i = 0; i < kWords; i += 4)
+      reinterpret_cast<uint4*>(h)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+  }
   __device__ __forceinline__ void set(const Pack<T, PACK>& pk) {
     w[kWords - 1] = 0u;
     memcpy(w, &pk, sizeof(pk));
@@ -654,14 +719,25 @@ __global__ void __launch_bounds__(fwd_block_max_threads(K)) fwd_block_regs_kerne
   const int64_t nvec = a.cols / PACK;
   const L load(a);
   T* y = static_cast<T*>(a.y);
+  constexpr bool kWordLoad = !SPLIT && std::is_same_v<L, LoadX<T>>;
+  constexpr bool kWordAdd = !SPLIT && std::is_same_v<L, LoadAdd<T>> && sizeof(T) == 2 && PACK % 8 == 0;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     RowWords<T, PACK> raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
-      PackT pk{};
-      if (v < nvec) load_row_pack<PACK, SPLIT>(load, row * a.cols, v, pk);
-      raw[k].set(pk);
+      if constexpr (kWordLoad) {
+        raw[k].zero();
+        if (v < nvec) raw[k].load(load.x + row * a.cols + v * PACK);
+      } else if constexpr (kWordAdd) {
+        raw[k].zero();
+        const int64_t i = row * a.cols + v * PACK;
+        if (v < nvec) raw[k].load_add(load.x + i, load.residual + i, load.h + i);
+      } else {
+        PackT pk{};
+        if (v < nvec) load_row_pack<PACK, SPLIT>(load, row * a.cols, v, pk);
+        raw[k].set(pk);
+      }
     }
     // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
     // thread in the block reduction.
@@ -740,7 +816,10 @@ __device__ __forceinline__ void fwd_block_body(const typename L::Args& a) {
       for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
       acc.add_pack(f, a.rms);
     }
-    const RowStats st = row_stats<CLUSTER>(acc, a.cols, a.eps, a.rms, nvec % span == 0, use);
+    // The split cluster kernel keeps the Welford merges: at its 40 registers the merge by
+    // sums spilled 4 more bytes, and LayerNorm's 65536-column forward ran 2.7 % slower
+    // (H200, docs/perf-notes.md), though its rows there are uniform.
+    const RowStats st = row_stats<CLUSTER, !SPLIT>(acc, a.cols, a.eps, a.rms, nvec % span == 0, use);
 #pragma unroll 4
     for (int64_t v = tid, c = threadIdx.x; v < nvec; v += span, c += blockDim.x) {
       PackT pk;

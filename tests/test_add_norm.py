@@ -152,7 +152,7 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape,dtype", [((1201, 8192), "bfloat16"), ((2501, 4096), "float16"),
                                          ((801, 16384), "bfloat16"), ((30011, 128), "bfloat16"),
-                                         ((1201, 4352), "bfloat16"), ((97, 18440), "float16"),
+                                         ((1201, 4352), "bfloat16"), ((97, 18440), "float16"), ((61, 22536), "float16"),
                                          ((20011, 256), "float32")], ids=str)
 def test_many_rows(op, shape, dtype):
     """More rows than a GPU runs blocks at once: the sm_90 bulk-staged backward (x and dy

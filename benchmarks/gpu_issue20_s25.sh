@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Device calls of the twenty-fifth session (issue 20). Stages:
+# - ab: the previous build (.carry/_ffi_old.so.gz) against the carried one: the forward of
+#   AB_OPS at AB_COLS in AB_DTYPES (default float16 and bfloat16), then fwd_bwd of
+#   AB_FB_OPS in float16 (none if set empty);
+# - ab65: old / new twice, LayerNorm and add_layer_norm's forward at 65536 (AB65_ROWS rows);
+# - k16392: the block forward at K_COLS under each of K_CFGS, bf16, LayerNorm and RMSNorm;
+# - bwd4352: the bulk backward's pair block (knob JAX_OPS_NORM_BWD_BULK_PAIR) at BWD_COLS,
+#   then cuda against flax there;
+# - sweep: item 1, auto / cuda / flax: bf16 SWEEP_OPS (default LayerNorm and
+#   add_layer_norm) at SWEEP_COLS, f16 LayerNorm and RMSNorm at SWEEP_F16_COLS (none if
+#   set empty);
+# - tests; san: memcheck / synccheck of the four ops at SAN_COLS in float16 and bfloat16,
+#   301 rows, racecheck of LayerNorm at RACE_COLS.
+# Usage: bash benchmarks/gpu_issue20_s25.sh stages
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-ab}
+source benchmarks/gpu_stages.sh
+# One configuration's cuda benchmark (comma list of knob=value without the JAX_OPS_NORM_
+# prefix; "default" for none) per dtype: cfg_sweep NAME "CFGS" "DTYPES" BENCH-ARGS...
+cfg_sweep() {
+  local name=$1 cfgs=$2 dtypes=$3 cfg dt kv envs
+  shift 3
+  for cfg in $cfgs; do
+    envs=(X=0)
+    [ "$cfg" = default ] || for kv in ${cfg//,/ }; do envs+=("JAX_OPS_NORM_$kv"); done
+    echo "== $cfg"
+    for dt in $dtypes; do
+      env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda "$@"
+    done
+  done > "$OUT/$name.txt" 2>&1
+  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
+}
+ab_body() {
+  echo "== build $1"
+  for dt in ${AB_DTYPES:-f16 bf16}; do
+    timeout 150 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda --rows 49152 \
+      --op "${AB_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm}" --mode fwd --cols "${AB_COLS:-22528,24576}"
+  done
+  [ "${AB_FB_OPS-layer_norm,add_layer_norm}" ] && timeout 150 python3 -m jax_ops.bench --repeats 3 --dtype f16 \
+    --impl cuda --rows 49152 --op "${AB_FB_OPS-layer_norm,add_layer_norm}" --mode fwd_bwd --cols "${AB_COLS:-22528,24576}"
+}
+has ab && ab_stage ab ab_body
+# The cluster tier's LayerNorm forward at 65536 (AB65_ROWS rows), old / new twice.
+ab65_body() {
+  echo "== build $1"
+  timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda --rows ${AB65_ROWS:-4096} \
+    --op layer_norm,add_layer_norm --mode fwd --cols 65536
+}
+if has ab65; then ab_stage ab65 ab65_body; ab_stage ab65_again ab65_body; fi
+if has sweep; then
+  SWEEP_IMPLS=auto,cuda,flax sweep_stage sweep_bf16 --dtype bf16 --rows 49152 \
+    --op "${SWEEP_OPS:-layer_norm,add_layer_norm}" --mode fwd,fwd_bwd --cols "${SWEEP_COLS:-4352,16392,22528}"
+  [ "${SWEEP_F16_COLS-22528,24576}" ] && SWEEP_IMPLS=auto,cuda,flax sweep_stage sweep_f16 --dtype f16 --rows 49152 \
+    --op layer_norm,rms_norm --mode fwd,fwd_bwd --cols "${SWEEP_F16_COLS-22528,24576}"
+fi
+has k16392 && cfg_sweep k16392 "${K_CFGS:-default FWD_BLOCK_K=4 FWD_BLOCK_K=6}" bf16 --rows 49152 \
+  --op layer_norm,rms_norm --mode fwd --cols "${K_COLS:-16384,16392,16640,18440}"
+if has bwd4352; then
+  knob_sweep bwd4352 JAX_OPS_NORM_BWD_BULK_PAIR "${BWD_VALUES:-0 1}" --rows 49152 \
+    --op layer_norm,rms_norm --mode bwd,fwd_bwd --cols "${BWD_COLS:-4096,4352,8192}"
+  SWEEP_IMPLS=cuda,flax sweep_stage sweep_bwd4352 --dtype bf16 --rows 49152 --op rms_norm,layer_norm \
+    --mode bwd,fwd_bwd --cols "${BWD_COLS:-4096,4352,8192}"
+fi
+has tests && norm_tests
+has san && DTYPES=float16,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 "${SAN_COLS:-16392,22536}" "${RACE_COLS:-16392}"
+finish_call "log|env|ab|ab65|ab65_again|k16392|bwd4352|sanitize|tests"
