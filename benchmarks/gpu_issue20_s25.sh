@@ -10,6 +10,10 @@
 # - sweep: item 1, auto / cuda / flax: bf16 SWEEP_OPS (default LayerNorm and
 #   add_layer_norm) at SWEEP_COLS, f16 LayerNorm and RMSNorm at SWEEP_F16_COLS (none if
 #   set empty);
+# - long: item 1, auto / cuda / pallas / flax, where the H200 table has no entries: f16
+#   LONG_F16_OPS at LONG_F16_COLS, bf16 add+norm at LONG_ADD_COLS;
+# - step: auto / cuda / flax in the training-step order (and fwd_bwd) for STEP_OPS in
+#   STEP_DT at STEP_COLS;
 # - tests; san: memcheck / synccheck of the four ops at SAN_COLS in float16 and bfloat16,
 #   301 rows, racecheck of LayerNorm at RACE_COLS.
 # Usage: bash benchmarks/gpu_issue20_s25.sh stages
@@ -64,6 +68,17 @@ if has bwd4352; then
   SWEEP_IMPLS=cuda,flax sweep_stage sweep_bwd4352 --dtype bf16 --rows 49152 --op rms_norm,layer_norm \
     --mode bwd,fwd_bwd --cols "${BWD_COLS:-4096,4352,8192}"
 fi
+if has long; then  # item 1 where the H200 table has no entries: f16 past 1024 columns, add+norm past 16384
+  SWEEP_IMPLS=auto,cuda,pallas,flax sweep_stage sweep_f16_long --dtype f16 --rows 49152 \
+    --op "${LONG_F16_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm}" --mode fwd,fwd_bwd \
+    --cols "${LONG_F16_COLS:-4096,16384,24576,32768}"
+  SWEEP_IMPLS=auto,cuda,pallas,flax sweep_stage sweep_bf16_add_long --dtype bf16 --rows 49152 \
+    --op add_layer_norm,add_rms_norm --mode fwd,fwd_bwd --cols "${LONG_ADD_COLS:-24576,32768}"
+fi
+# The training-step order (an optimization barrier between y and dy) where fwd_bwd lets
+# flax fuse across stages: STEP_OPS in STEP_DT at STEP_COLS, auto / cuda / flax.
+has step && SWEEP_IMPLS=auto,cuda,flax sweep_stage sweep_step_${STEP_DT:-f16} --dtype ${STEP_DT:-f16} --rows 49152 \
+  --op "${STEP_OPS:-rms_norm,layer_norm}" --mode step,fwd_bwd --cols "${STEP_COLS:-16384,32768}"
 has tests && norm_tests
 has san && DTYPES=float16,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 "${SAN_COLS:-16392,22536}" "${RACE_COLS:-16392}"
 finish_call "log|env|ab|ab65|ab65_again|k16392|bwd4352|sanitize|tests"
