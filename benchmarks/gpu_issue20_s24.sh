@@ -28,13 +28,6 @@ if has abwide2; then
     --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode "${WIDE2_MODES:-bwd,fwd_bwd}" \
     --cols "${WIDE2_COLS:-4104,4352,4608}"
 fi
-# envs=(...): the environment assignments of a configuration CFG (a comma list of
-# name=value, each name without PREFIX; "default" for none): knob_envs PREFIX CFG
-knob_envs() {
-  local kv
-  envs=(X=0)
-  [ "$2" = default ] || for kv in ${2//,/ }; do envs+=("$1$kv"); done
-}
 if has cs16; then  # the 65536-column backward in clusters of up to 16 blocks (non-portable)
   for cfg in ${CS16_CFGS:-default CS=16 CS=16,MIN_BYTES=120000 CS=12 CS=10 MAX_CS=16 default}; do
     knob_envs JAX_OPS_NORM_BWD_CLUSTER_SMEM_ "$cfg"
@@ -53,22 +46,6 @@ for op in ('layer_norm', 'rms_norm'):
   grep -E "^== |partial rows|^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/cs16.txt" | tee -a "$LOG"
   stage_done cs16
 fi
-# One cuda benchmark a configuration (a comma list of knob=value, each knob name without
-# its JAX_OPS_NORM_ prefix; "default" for none) and dtype, to $OUT/NAME.txt and the log:
-# cfg_sweep NAME "CFGS" "DTYPES" BENCH-ARGS...
-cfg_sweep() {
-  local name=$1 cfgs=$2 dtypes=$3 cfg dt
-  shift 3
-  for cfg in $cfgs; do
-    knob_envs JAX_OPS_NORM_ "$cfg"
-    echo "== $cfg"
-    for dt in $dtypes; do
-      env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda "$@"
-    done
-  done > "$OUT/$name.txt" 2>&1
-  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/$name.txt" | tee -a "$LOG"
-  stage_done "$name"
-}
 has fwdwide && cfg_sweep fwdwide "${FWDWIDE_CFGS:-default FWD_BLOCK_K=8 FWD_BLOCK_K=4 FWD_BLOCK_REGS_MAX_VEC=2048 \
   FWD_BLOCK_REGS_MAX_VEC=2048,FWD_CLUSTER_MIN_BYTES=32768 default}" "f16 bf16" --rows 49152 \
   --op layer_norm,rms_norm --mode fwd --cols "${FWDWIDE_COLS:-22528,24576}"

@@ -14,6 +14,9 @@
 #   LONG_F16_OPS at LONG_F16_COLS, bf16 add+norm at LONG_ADD_COLS;
 # - step: auto / cuda / flax in the training-step order (and fwd_bwd) for STEP_OPS in
 #   STEP_DT at STEP_COLS;
+# - pf: the cluster backward's next rows prefetched to L2 (knob
+#   JAX_OPS_NORM_BWD_CLUSTER_PREFETCH off / on; run 8's build only, not kept), bwd and fwd_bwd: bf16 PF_OPS at PF_COLS,
+#   f16 RMSNorm / LayerNorm at PF_F16_COLS; pftests: the long-row tests;
 # - tests; san: memcheck / synccheck of the four ops at SAN_COLS in float16 and bfloat16,
 #   301 rows, racecheck of LayerNorm at RACE_COLS.
 # Usage: bash benchmarks/gpu_issue20_s25.sh stages
@@ -21,22 +24,6 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-ab}
 source benchmarks/gpu_stages.sh
-# One configuration's cuda benchmark (comma list of knob=value without the JAX_OPS_NORM_
-# prefix; "default" for none) per dtype: cfg_sweep NAME "CFGS" "DTYPES" BENCH-ARGS...
-cfg_sweep() {
-  local name=$1 cfgs=$2 dtypes=$3 cfg dt kv envs
-  shift 3
-  for cfg in $cfgs; do
-    envs=(X=0)
-    [ "$cfg" = default ] || for kv in ${cfg//,/ }; do envs+=("JAX_OPS_NORM_$kv"); done
-    echo "== $cfg"
-    for dt in $dtypes; do
-      env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda "$@"
-    done
-  done > "$OUT/$name.txt" 2>&1
-  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/$name.txt" | tee -a "$LOG"
-  stage_done "$name"
-}
 ab_body() {
   echo "== build $1"
   for dt in ${AB_DTYPES:-f16 bf16}; do
@@ -79,6 +66,18 @@ fi
 # flax fuse across stages: STEP_OPS in STEP_DT at STEP_COLS, auto / cuda / flax.
 has step && SWEEP_IMPLS=auto,cuda,flax sweep_stage sweep_step_${STEP_DT:-f16} --dtype ${STEP_DT:-f16} --rows 49152 \
   --op "${STEP_OPS:-rms_norm,layer_norm}" --mode step,fwd_bwd --cols "${STEP_COLS:-16384,32768}"
+if has pf; then  # the cluster backward's next rows prefetched to L2: knob off / on
+  knob_sweep pf_bf16 JAX_OPS_NORM_BWD_CLUSTER_PREFETCH "${PF_VALUES:-0 1}" --rows 49152 \
+    --op "${PF_OPS:-layer_norm,rms_norm,add_layer_norm}" --mode bwd,fwd_bwd --cols "${PF_COLS:-16384,32768,65536}"
+  KNOB_DTYPE=f16 knob_sweep pf_f16 JAX_OPS_NORM_BWD_CLUSTER_PREFETCH "${PF_VALUES:-0 1}" --rows 49152 \
+    --op rms_norm,layer_norm --mode bwd,fwd_bwd --cols "${PF_F16_COLS:-16384,32768}"
+fi
+if has pftests; then  # the long-row backward's tests
+  timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py tests/test_add_norm.py \
+    -k "cluster or long or many_rows or 65536 or 16384 or 32768" > "$OUT/pftests.txt" 2>&1
+  tail -2 "$OUT/pftests.txt" | tee -a "$LOG"
+  stage_done pftests
+fi
 has tests && norm_tests
 has san && DTYPES=float16,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 "${SAN_COLS:-16392,22536}" "${RACE_COLS:-16392}"
-finish_call "log|env|ab|ab65|ab65_again|k16392|bwd4352|sanitize|tests"
+finish_call "log|env|ab|ab65|ab65_again|k16392|bwd4352|pf_bf16|pf_f16|pftests|sanitize|tests"

@@ -102,3 +102,26 @@ table_stage() {
   done
   stage_done "tables_$1"
 }
+# envs=(...): the environment assignments of a configuration CFG (a comma list of
+# name=value, each name without PREFIX; "default" for none): knob_envs PREFIX CFG
+knob_envs() {
+  local kv
+  envs=(X=0)
+  [ "$2" = default ] || for kv in ${2//,/ }; do envs+=("$1$kv"); done
+}
+# One cuda benchmark a configuration (a comma list of knob=value, each knob name without
+# its JAX_OPS_NORM_ prefix; "default" for none) and dtype, to $OUT/NAME.txt and the log:
+# cfg_sweep NAME "CFGS" "DTYPES" BENCH-ARGS...
+cfg_sweep() {
+  local name=$1 cfgs=$2 dtypes=$3 cfg dt
+  shift 3
+  for cfg in $cfgs; do
+    knob_envs JAX_OPS_NORM_ "$cfg"
+    echo "== $cfg"
+    for dt in $dtypes; do
+      env "${envs[@]}" timeout 120 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda "$@"
+    done
+  done > "$OUT/$name.txt" 2>&1
+  grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
+}
