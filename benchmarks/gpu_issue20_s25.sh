@@ -14,6 +14,8 @@
 #   LONG_F16_OPS at LONG_F16_COLS, bf16 add+norm at LONG_ADD_COLS;
 # - step: auto / cuda / flax in the training-step order (and fwd_bwd) for STEP_OPS in
 #   STEP_DT at STEP_COLS;
+# - abw: the cluster backward, old / new build, bwd and fwd_bwd at ABW_COLS in bf16 and
+#   f16, and at 65536 (4096 rows) in bf16;
 # - pf: the cluster backward's next rows prefetched to L2 (knob
 #   JAX_OPS_NORM_BWD_CLUSTER_PREFETCH off / on; run 8's build only, not kept), bwd and fwd_bwd: bf16 PF_OPS at PF_COLS,
 #   f16 RMSNorm / LayerNorm at PF_F16_COLS; pftests: the long-row tests;
@@ -66,6 +68,19 @@ fi
 # flax fuse across stages: STEP_OPS in STEP_DT at STEP_COLS, auto / cuda / flax.
 has step && SWEEP_IMPLS=auto,cuda,flax sweep_stage sweep_step_${STEP_DT:-f16} --dtype ${STEP_DT:-f16} --rows 49152 \
   --op "${STEP_OPS:-rms_norm,layer_norm}" --mode step,fwd_bwd --cols "${STEP_COLS:-16384,32768}"
+# The cluster backward, old / new build (run 9: old = run 8's build with its prefetch off):
+# bwd and fwd_bwd of LayerNorm / RMSNorm at ABW_COLS (49152 rows) in bf16 and f16, then
+# at 65536 (4096 rows) in bf16.
+abw_body() {
+  echo "== build $1"
+  for dt in bf16 f16; do
+    JAX_OPS_NORM_BWD_CLUSTER_PREFETCH=0 timeout 150 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda \
+      --rows 49152 --op layer_norm,rms_norm --mode bwd,fwd_bwd --cols "${ABW_COLS:-16384,32768}"
+  done
+  JAX_OPS_NORM_BWD_CLUSTER_PREFETCH=0 timeout 100 python3 -m jax_ops.bench --repeats 5 --dtype bf16 --impl cuda \
+    --rows 4096 --op layer_norm,rms_norm --mode bwd,fwd_bwd --cols 65536
+}
+has abw && ab_stage abw abw_body
 if has pf; then  # the cluster backward's next rows prefetched to L2: knob off / on
   knob_sweep pf_bf16 JAX_OPS_NORM_BWD_CLUSTER_PREFETCH "${PF_VALUES:-0 1}" --rows 49152 \
     --op "${PF_OPS:-layer_norm,rms_norm,add_layer_norm}" --mode bwd,fwd_bwd --cols "${PF_COLS:-16384,32768,65536}"
@@ -80,4 +95,4 @@ if has pftests; then  # the long-row backward's tests
 fi
 has tests && norm_tests
 has san && DTYPES=float16,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 "${SAN_COLS:-16392,22536}" "${RACE_COLS:-16392}"
-finish_call "log|env|ab|ab65|ab65_again|k16392|bwd4352|pf_bf16|pf_f16|pftests|sanitize|tests"
+finish_call "log|env|ab|abw|ab65|ab65_again|k16392|bwd4352|pf_bf16|pf_f16|pftests|sanitize|tests"
