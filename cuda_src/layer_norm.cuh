@@ -740,8 +740,8 @@ __global__ void __launch_bounds__(fwd_block_max_threads(K)) fwd_block_regs_kerne
         raw[k].set(pk);
       }
     }
-    // This thread's packs: exact two-pass mean/M2 locally, one Welford merge per
-    // thread in the block reduction.
+    // This thread's packs: exact two-pass mean/M2 locally, then one merge per thread in
+    // the block reduction (block_acc_warp0).
     float s = 0.f, q = 0.f, cnt = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k)
@@ -1940,8 +1940,8 @@ int fwd_block_rows_per_sm(int64_t nvec) {
 // 16-bit rows where 4 packs a thread would be chosen (H100, bf16, 49152 rows; docs/perf-notes.md):
 // - where 4 leave one row an SM, 5 packs if they keep two (2049-2560 packs: 16392-20480
 //   columns; 1.01-1.30x faster than 6 packs, float16 most), else 6 packs (64 registers,
-//   8-12 bytes spilled) if they do: 24576 columns, LayerNorm 1.13x and RMSNorm 1.04x
-//   faster than 4.
+//   no spill since the row is loaded as words) if they do: 24576 columns, LayerNorm 1.13x
+//   and RMSNorm 1.04x faster than 4.
 // - else 5 packs with a bias or a residual where 4 leave threads idle (a row of 544 packs
 //   on 160 threads) or 5 keep more of two rows an SM: LayerNorm 1.05-1.12x faster at
 //   4352-6656 and 12288 columns, add_layer_norm 1.02-1.06x; RMSNorm ran 3-7 % slower.

@@ -159,7 +159,8 @@ def test_many_rows(op, shape, dtype):
     in shared memory, 3 rows a block, dh added as dx is written) refills its stages
     several times over; 16384 columns walk the cluster tier's rows; 128 columns the group
     tier's tiles (dh loaded with the row); 4352 columns the one-pack bulk block, two an
-    SM; 18440 the block forward's 5 packs a thread."""
+    SM. 18440 and 22536 (fewer rows) are for the block forward's 5 and 6 packs a thread,
+    h computed a 16-byte word at a time, the last thread's packs partly past the row."""
     need("cuda")
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"many{op}{shape}{dtype}"), shape, dtype, "float32",
                                             "float32" if op == "add_layer_norm" else None)

@@ -275,10 +275,11 @@ def test_cuda_backward_two_one_pack_blocks_an_sm(cols):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("cols", [16392, 18440, 20480, 22536, 24576])
 def test_cuda_forward_five_or_six_packs_a_thread(cols, dtype):
-    """16-bit rows of 2049-3072 packs: the block forward's 5 packs a thread (410-512
-    threads) up to 2560 packs, 6 past them (470-512 threads, the row's words loaded
-    straight into registers); the last thread's packs partly past the row at 16392,
-    18440 and 22536."""
+    """16-bit rows of 2049-3072 packs: the block forward's 5 packs a thread (416-512
+    threads) up to 2560 packs, 6 past them (448-512 threads); the row's words loaded
+    straight into registers; the last thread's packs partly past the row at 16392,
+    18440 and 22536 (480 threads), where the block merges its threads' statistics by
+    sums (their counts differ)."""
     for i, op in enumerate(("layer_norm", "rms_norm")):
         check_cuda_rows(op, 37, cols, seed=cols + 20 + i, dtype=jnp.dtype(dtype))
 
