@@ -39,10 +39,10 @@ knob_sweep() {
   stage_done "$name"
 }
 # The workspace of a lone op's jitted vjp against flax (benchmarks/norm_workspace.py), to
-# $OUT/NAME.txt (default workspace) and the log.
+# $OUT/NAME.txt (default workspace) and the log; dtype WS_DTYPE (default bfloat16).
 workspace_stage() {
   local name=${1:-workspace}
-  timeout 150 python3 benchmarks/norm_workspace.py --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  timeout 150 python3 benchmarks/norm_workspace.py --dtype ${WS_DTYPE:-bfloat16} --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
   grep -v Warning "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
 }

@@ -273,6 +273,23 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
+// A flag one block raises for another of the same grid (gpu scope, sm_70+): the release
+// store orders the writes the raising block made visible before it (each writer fences,
+// then the block synchronizes) before the flag; the acquire load orders the waiter's
+// later reads after it. A handshake, not a reduction: the values themselves are added
+// in a fixed order by ordinary loads and stores.
+__device__ __forceinline__ void flag_raise(int* flag) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
+}
+__device__ __forceinline__ void flag_wait(const int* flag) {
+  int v = 0;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+    if (v != 0) return;
+    __nanosleep(64);
+  }
+}
+
 // The address of `p` (this block's shared memory) in block `rank` of the cluster.
 template <typename V>
 __device__ __forceinline__ const V* cluster_map(const V* p, int rank) {

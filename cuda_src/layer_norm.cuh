@@ -1327,8 +1327,48 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
 template <int PACK, bool VEC>
 constexpr int bwd_cluster_smem_stride() { return VEC ? 3 * PACK + 4 : 3 * PACK + 1; }
 
+// A cluster's dscale/dbias partials (its blocks own disjoint columns), row c of the
+// workspace for cluster c; folded (flags not null): row c % fold, where block (c, rank)
+// waits for block (c - fold, rank), which owns the same columns, to raise its flag, adds
+// its partials to theirs (in that order), writes them back and raises its own. Not
+// inlined: at the end of a kernel that holds 64 registers, it kept the main loop's
+// allocation as it was (inlined, the loop took 8 more instructions).
+template <int PACK>
+__device__ __noinline__ void store_cluster_partials(int64_t cols, const RowSplit& sp, int64_t col, bool owns,
+                                                    float (&ds)[PACK], float (&db)[PACK], float* part_ds,
+                                                    float* part_db, int* flags, int64_t fold) {
+  const int cluster = int(sp.first_row), folds = int(fold);  // fewer than 2^31 clusters
+  const int64_t prow = flags ? cluster % folds : cluster;
+  if (flags && cluster >= folds) {
+    if (threadIdx.x == 0) flag_wait(flags + (cluster - folds) * sp.size + sp.rank);
+    __syncthreads();
+    if (owns) {
+#pragma unroll
+      for (int j = 0; j < PACK; ++j) {  // from L2: written by another SM
+        if (part_ds) ds[j] = __ldcg(part_ds + prow * cols + col + j) + ds[j];
+        if (part_db) db[j] = __ldcg(part_db + prow * cols + col + j) + db[j];
+      }
+    }
+  }
+  if (owns) {
+#pragma unroll
+    for (int j = 0; j < PACK; ++j) {
+      if (part_ds) part_ds[prow * cols + col + j] = ds[j];
+      if (part_db) part_db[prow * cols + col + j] = db[j];
+    }
+  }
+  if (flags && cluster + folds < int(sp.step)) {  // a later cluster adds to this row
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) flag_raise(flags + cluster * sp.size + sp.rank);
+  }
+}
+
+// FOLD: with flags (not null), cluster c adds its partials to those of clusters c - fold,
+// c - 2 fold, ... in row c % fold of the workspace (bwd_cluster_fold_rows).
 template <typename T, typename P, int PACK, int K, typename S, bool VEC>
-__global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args a, float* part_ds, float* part_db) {
+__global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args a, float* part_ds, float* part_db,
+                                                                int* flags, int64_t fold) {
   static_assert(K == 2, "two rows an exchange");
   static_assert(!VEC || PACK % 4 == 0, "16-byte accesses of whole packs");
   extern __shared__ __align__(16) float acc_rows[];  // [blockDim][stride]: scale, ds, db
@@ -1436,16 +1476,10 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   }
   row_split_exit<true>();
   // The cluster's partial row: its blocks own disjoint columns.
-  if (owns) {
-    float ds[PACK], db[PACK];
-    get(acc, ds, PACK);
-    get(acc + PACK, db, PACK);
-#pragma unroll
-    for (int j = 0; j < PACK; ++j) {
-      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = ds[j];
-      if (part_db) part_db[sp.first_row * a.cols + col + j] = db[j];
-    }
-  }
+  float ds[PACK], db[PACK];
+  get(acc, ds, PACK);
+  get(acc + PACK, db, PACK);
+  store_cluster_partials<PACK>(a.cols, sp, col, owns, ds, db, part_ds, part_db, flags, fold);
 }
 
 // The block-per-row backward with x and dy staged in shared memory by bulk copies
@@ -2425,6 +2459,22 @@ cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
   return finish_param_grads<P>(a, ds, db, chunks, stream);
 }
 
+// Rows of the cluster kernel's workspace: a partial row a cluster, unless those exceed
+// the larger of kBwdFoldMinBytes and 1/128 of x's bytes (autodiff's own column sums keep
+// about that: 4.2 MB at 4096 x 65536 bf16, where 15 clusters' rows of LayerNorm's two
+// arrays take 7.5 MiB); then as many rows as fit that, the last one the clusters'
+// flags, and the clusters fold onto the others (bwd_cluster_smem_kernel). Knob
+// JAX_OPS_NORM_BWD_CLUSTER_FOLD=0: a row a cluster always.
+constexpr int64_t kBwdFoldMinBytes = int64_t(4) << 20;
+template <typename T>
+int64_t bwd_cluster_fold_rows(const BwdArgs& a, int64_t clusters, int cs) {
+  static const int on = env_knob("JAX_OPS_NORM_BWD_CLUSTER_FOLD", 1);
+  const int64_t row_bytes = ((a.dscale ? 1 : 0) + (a.dbias ? 1 : 0)) * a.cols * int64_t(sizeof(float));
+  const int64_t budget = std::max(kBwdFoldMinBytes, a.rows * a.cols / 128 * int64_t(sizeof(T)));
+  const int64_t rows = row_bytes ? budget / row_bytes : clusters;
+  return on && rows >= 2 && rows < clusters && clusters * cs <= a.cols ? rows : clusters;
+}
+
 // The cluster tier's 16-bit rows with partials in shared memory (bwd_cluster_smem_kernel;
 // knob JAX_OPS_NORM_BWD_CLUSTER_SMEM, 0 = the register kernel) where clusters of up to
 // 8 blocks of JAX_OPS_NORM_BWD_CLUSTER_SMEM_THREADS (1024) threads, one pack a thread,
@@ -2480,12 +2530,36 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
       if (resident[cs] >= kNearClusters * double(most) && (clusters == 0 || fits[cs].threads < shape.threads))
         shape = fits[cs], clusters = resident[cs];
   }
-  clusters = std::min(clusters, cap_blocks(a, a.rows));
+  clusters = std::min(clusters, a.rows);
   const size_t smem = smem_of(shape);
-  *err = run_bwd_grid<P>(a, clusters, stream, plan, [&](float* ds, float* db) {
+  const auto launch = [&](float* ds, float* db, int* flags, int64_t fold) {
     return launch_clusters_smem(kernel, shape.cs, shape.threads, smem, clusters, stream,
-                                static_cast<const typename S::Args&>(a), ds, db);
-  });
+                                static_cast<const typename S::Args&>(a), ds, db, flags, fold);
+  };
+  if (plan) {
+    *err = plan_parts(a, bwd_cluster_fold_rows<T>(a, clusters, shape.cs), plan);
+    return true;
+  }
+  if (!wants_param_grads(a)) {
+    *err = launch(nullptr, nullptr, nullptr, 0);
+    return true;
+  }
+  // The workspace has the rows the dry run planned: a row a cluster, or fewer when folded
+  // (fold partial rows, then the flags' row).
+  float *ds = nullptr, *db = nullptr;
+  int* flags = nullptr;
+  int64_t parts = std::min(clusters, a.work_rows);
+  if (a.work_rows < clusters && a.work_rows >= 2 && clusters * shape.cs <= a.cols) {
+    parts = a.work_rows - 1;
+    if ((*err = partial_buffers(a, a.work_rows, &ds, &db)) != cudaSuccess) return true;
+    flags = reinterpret_cast<int*>(a.work + parts * a.cols);
+    *err = cudaMemsetAsync(flags, 0, size_t(clusters * shape.cs) * sizeof(int), stream);
+  } else {
+    clusters = parts;  // a workspace smaller than planned (1 row): fewer clusters
+    *err = partial_buffers(a, parts, &ds, &db);
+  }
+  if (*err == cudaSuccess) *err = launch(ds, db, flags, flags ? parts : 0);
+  if (*err == cudaSuccess) *err = finish_param_grads<P>(a, ds, db, parts, stream);
   return true;
 }
 
