@@ -1330,35 +1330,40 @@ constexpr int bwd_cluster_smem_stride() { return VEC ? 3 * PACK + 4 : 3 * PACK +
 // A cluster's dscale/dbias partials (its blocks own disjoint columns), row c of the
 // workspace for cluster c; folded (flags not null): row c % fold, where block (c, rank)
 // waits for block (c - fold, rank), which owns the same columns, to raise its flag, adds
-// its partials to theirs (in that order), writes them back and raises its own. Not
-// inlined: at the end of a kernel that holds 64 registers, it kept the main loop's
-// allocation as it was (inlined, the loop took 8 more instructions).
+// its partials to theirs (in that order), writes them back and raises its own (the
+// release by one thread after the block's barrier covers the block's writes, as in
+// CUTLASS's serial split-K semaphore). A thread's PACK values move in 16-byte accesses
+// (PACK % 4 == 0, col % PACK == 0): scalar ones cost a block at 65536 columns about
+// 10 µs a link of the fold (H200). Not inlined: at the end of a kernel that holds 64
+// registers, it left the main loop's allocation as it was.
 template <int PACK>
 __device__ __noinline__ void store_cluster_partials(int64_t cols, const RowSplit& sp, int64_t col, bool owns,
                                                     float (&ds)[PACK], float (&db)[PACK], float* part_ds,
                                                     float* part_db, int* flags, int64_t fold) {
+  static_assert(PACK % 4 == 0, "16-byte accesses");
   const int cluster = int(sp.first_row), folds = int(fold);  // fewer than 2^31 clusters
-  const int64_t prow = flags ? cluster % folds : cluster;
+  const int64_t at = (flags ? cluster % folds : cluster) * cols + col;
+  const auto add = [&](const float* part, float (&v)[PACK]) {
+#pragma unroll
+    for (int q = 0; q < PACK; q += 4) {  // from L2: written by another SM
+      const float4 p = __ldcg(reinterpret_cast<const float4*>(part + at + q));
+      v[q] = p.x + v[q], v[q + 1] = p.y + v[q + 1], v[q + 2] = p.z + v[q + 2], v[q + 3] = p.w + v[q + 3];
+    }
+  };
+  const auto put = [&](float* part, const float (&v)[PACK]) {
+#pragma unroll
+    for (int q = 0; q < PACK; q += 4)
+      *reinterpret_cast<float4*>(part + at + q) = make_float4(v[q], v[q + 1], v[q + 2], v[q + 3]);
+  };
   if (flags && cluster >= folds) {
     if (threadIdx.x == 0) flag_wait(flags + (cluster - folds) * sp.size + sp.rank);
     __syncthreads();
-    if (owns) {
-#pragma unroll
-      for (int j = 0; j < PACK; ++j) {  // from L2: written by another SM
-        if (part_ds) ds[j] = __ldcg(part_ds + prow * cols + col + j) + ds[j];
-        if (part_db) db[j] = __ldcg(part_db + prow * cols + col + j) + db[j];
-      }
-    }
+    if (owns && part_ds) add(part_ds, ds);
+    if (owns && part_db) add(part_db, db);
   }
-  if (owns) {
-#pragma unroll
-    for (int j = 0; j < PACK; ++j) {
-      if (part_ds) part_ds[prow * cols + col + j] = ds[j];
-      if (part_db) part_db[prow * cols + col + j] = db[j];
-    }
-  }
+  if (owns && part_ds) put(part_ds, ds);
+  if (owns && part_db) put(part_db, db);
   if (flags && cluster + folds < int(sp.step)) {  // a later cluster adds to this row
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) flag_raise(flags + cluster * sp.size + sp.rank);
   }
@@ -2462,17 +2467,21 @@ cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
 // Rows of the cluster kernel's workspace: a partial row a cluster, unless those exceed
 // the larger of kBwdFoldMinBytes and 1/128 of x's bytes (autodiff's own column sums keep
 // about that: 4.2 MB at 4096 x 65536 bf16, where 15 clusters' rows of LayerNorm's two
-// arrays take 7.5 MiB); then as many rows as fit that, the last one the clusters'
-// flags, and the clusters fold onto the others (bwd_cluster_smem_kernel). Knob
+// arrays took 7.5 MiB); then as many rows as fit that, and the clusters fold onto them
+// (bwd_cluster_smem_kernel), their flags in the parameter gradient's memory. Knob
 // JAX_OPS_NORM_BWD_CLUSTER_FOLD=0: a row a cluster always.
 constexpr int64_t kBwdFoldMinBytes = int64_t(4) << 20;
-template <typename T>
+template <typename P>
+bool fold_fits(const BwdArgs& a, int64_t clusters, int cs) {
+  return clusters * cs * int64_t(sizeof(int)) <= a.cols * int64_t(sizeof(P));
+}
+template <typename T, typename P>
 int64_t bwd_cluster_fold_rows(const BwdArgs& a, int64_t clusters, int cs) {
   static const int on = env_knob("JAX_OPS_NORM_BWD_CLUSTER_FOLD", 1);
   const int64_t row_bytes = ((a.dscale ? 1 : 0) + (a.dbias ? 1 : 0)) * a.cols * int64_t(sizeof(float));
   const int64_t budget = std::max(kBwdFoldMinBytes, a.rows * a.cols / 128 * int64_t(sizeof(T)));
   const int64_t rows = row_bytes ? budget / row_bytes : clusters;
-  return on && rows >= 2 && rows < clusters && clusters * cs <= a.cols ? rows : clusters;
+  return on && rows >= 2 && rows < clusters && fold_fits<P>(a, clusters, cs) ? rows : clusters;
 }
 
 // The cluster tier's 16-bit rows with partials in shared memory (bwd_cluster_smem_kernel;
@@ -2537,26 +2546,25 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
                                 static_cast<const typename S::Args&>(a), ds, db, flags, fold);
   };
   if (plan) {
-    *err = plan_parts(a, bwd_cluster_fold_rows<T>(a, clusters, shape.cs), plan);
+    *err = plan_parts(a, bwd_cluster_fold_rows<T, P>(a, clusters, shape.cs), plan);
     return true;
   }
   if (!wants_param_grads(a)) {
     *err = launch(nullptr, nullptr, nullptr, 0);
     return true;
   }
-  // The workspace has the rows the dry run planned: a row a cluster, or fewer when folded
-  // (fold partial rows, then the flags' row).
+  // The workspace has the rows the dry run planned: a row a cluster, or fewer when folded.
+  // The flags of a fold are in dscale's (or dbias's) memory until the column sums
+  // overwrite it: cols * sizeof(P) bytes, more than the clusters' blocks need.
   float *ds = nullptr, *db = nullptr;
   int* flags = nullptr;
-  int64_t parts = std::min(clusters, a.work_rows);
-  if (a.work_rows < clusters && a.work_rows >= 2 && clusters * shape.cs <= a.cols) {
-    parts = a.work_rows - 1;
-    if ((*err = partial_buffers(a, a.work_rows, &ds, &db)) != cudaSuccess) return true;
-    flags = reinterpret_cast<int*>(a.work + parts * a.cols);
+  const int64_t parts = std::min(clusters, a.work_rows);
+  if ((*err = partial_buffers(a, parts, &ds, &db)) != cudaSuccess) return true;
+  if (parts < clusters && parts >= 2 && fold_fits<P>(a, clusters, shape.cs)) {
+    flags = static_cast<int*>(a.dscale ? a.dscale : a.dbias);
     *err = cudaMemsetAsync(flags, 0, size_t(clusters * shape.cs) * sizeof(int), stream);
   } else {
-    clusters = parts;  // a workspace smaller than planned (1 row): fewer clusters
-    *err = partial_buffers(a, parts, &ds, &db);
+    clusters = parts;  // a workspace smaller than planned: fewer clusters
   }
   if (*err == cudaSuccess) *err = launch(ds, db, flags, flags ? parts : 0);
   if (*err == cudaSuccess) *err = finish_param_grads<P>(a, ds, db, parts, stream);
