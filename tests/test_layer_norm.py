@@ -796,8 +796,7 @@ def test_kernels_are_deterministic(impl):
         # and narrow rows: the group tier, with many rows a block's partials
         shapes = [((2048, 1024), "float32"), ((64, 1025), "bfloat16"), ((8, 10000), "float32"),
                   ((20011, 128), "bfloat16"), ((4099, 33), "float32")]
-        if impl == "cuda":  # the 16-bit cluster backward, its clusters folded onto fewer
-            # partial rows (GPU: in a fixed order, cluster by cluster, through flags)
+        if impl == "cuda":  # the 16-bit cluster backward (its partials folded: test below)
             shapes += [((263, 16384), "bfloat16"), ((40, 65536), "float16")]
         for shape, dtype in shapes:
             x, scale, bias, dy = make_inputs(seed_of(f"det{op}{shape}"), shape, dtype, "float32",
@@ -809,6 +808,33 @@ def test_kernels_are_deterministic(impl):
             assert len(leaves[0]) == (4 if op == "layer_norm" else 3)
             for a, b, c in zip(*leaves):
                 assert bitwise_equal(a, b) and bitwise_equal(a, c), f"{op}{shape}: runs differ"
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape,dtype", [((2000, 65536), "bfloat16"), ((8500, 16384), "float16")],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_cuda_backward_folds_cluster_partials(op, shape, dtype):
+    """Where a cluster's rows are many and the clusters' partial rows exceed 4 MiB, the
+    16-bit cluster backward folds them onto fewer: cluster c adds its partials to those of
+    c - P, c - 2P, ... (flags between clusters, a fixed order). The workspace stays within
+    4 MiB, dscale/dbias match float64, and runs are bitwise equal."""
+    need("cuda")
+    if PLATFORM != "cuda":
+        pytest.skip("the fold is the GPU kernels'; the host handlers keep no partials")
+    x, scale, bias, dy = make_inputs(seed_of(f"fold{op}{shape}{dtype}"), shape, dtype, "float32",
+                                     "float32" if op == "layer_norm" else None)
+    rows, cols = shape
+    ws = jax_ops._extension.norm_bwd_partial_rows(dtype, "float32", rows, cols, rms=op == "rms_norm", add=False,
+                                                  dscale=True, dbias=op == "layer_norm")
+    assert ws is not None and (2 if op == "layer_norm" else 1) * ws * cols * 4 <= 4 << 20, ws
+    run = fwd_bwd_fn(op, "cuda")
+    first = run(x, scale, bias, dy)
+    again = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)  # a fresh jit
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        assert bitwise_equal(a, b), f"{op}{shape}: runs differ"
+    y, grads = first
+    check_against_reference(op, x, scale, bias, dy, y, grads)
 
 
 # ------------------------------------------------------------------ errors ---
