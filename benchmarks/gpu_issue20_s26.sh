@@ -7,7 +7,8 @@
 #   JAX_OPS_NORM_BWD_CLUSTER_FOLD off / on), bwd and fwd_bwd of LayerNorm / RMSNorm /
 #   add_layer_norm at 65536 (FOLD65_ROWS rows, default 4096 and 512; knob values
 #   FOLD65_VALUES) and 16384 / 32768 (FOLD_ROWS rows, none if set empty); fold49k:
-#   LayerNorm / RMSNorm at 16384 / 32768, 49152 rows, in FOLD_DTYPES (default bf16);
+#   LayerNorm / RMSNorm at 16384 / 32768, 49152 rows, in FOLD_DTYPES (default bf16),
+#   modes FOLD49K_MODES (bwd,fwd_bwd), knob values FOLD49K_VALUES (0 1);
 # - abw: the cluster backward, previous build (.carry/_ffi_old.so.gz) against the carried
 #   one, the fold off: bwd and fwd_bwd of LayerNorm / RMSNorm at 16384 / 32768 (49152
 #   rows) in bf16 and f16, and at 65536 (4096 rows) in bf16;
@@ -34,8 +35,8 @@ if has fold; then
 fi
 if has fold49k; then  # LayerNorm / RMSNorm at 16384 / 32768, 49152 rows, fold off / on
   for dt in ${FOLD_DTYPES:-bf16}; do
-    KNOB_DTYPE=$dt KNOB_TIMEOUT=150 knob_sweep fold49k_$dt JAX_OPS_NORM_BWD_CLUSTER_FOLD "0 1" --rows 49152 \
-      --op layer_norm,rms_norm --mode bwd,fwd_bwd --cols 16384,32768
+    KNOB_DTYPE=$dt KNOB_TIMEOUT=150 knob_sweep fold49k_$dt JAX_OPS_NORM_BWD_CLUSTER_FOLD "${FOLD49K_VALUES:-0 1}" \
+      --rows 49152 --op layer_norm,rms_norm --mode ${FOLD49K_MODES:-bwd,fwd_bwd} --cols 16384,32768
   done
 fi
 abw_body() {  # the kernel without the fold (knob 0) against the previous build
@@ -57,4 +58,4 @@ if has sanfold; then  # the fold (rows >= 128 a cluster): memcheck and synccheck
   grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sanitize_fold.txt" | tee -a "$LOG"
   stage_done sanitize_fold
 fi
-finish_call "log|env|tests|workspace_bf16|fold65_4096|fold16|fold49k_bf16|abw|sanitize_fold"
+finish_call "log|env|tests|workspace_bf16|fold65_4096|fold16|fold49k_bf16|fold49k_f16|abw|sanitize_fold"

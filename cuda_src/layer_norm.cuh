@@ -2475,23 +2475,26 @@ cudaError_t launch_bwd_block(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
 }
 
 // Rows of the cluster kernel's workspace: a partial row a cluster, unless those exceed
-// kBwdFoldBytes (LayerNorm at 4096 x 65536: 15 clusters' rows of two arrays took 7.5 MiB,
-// autodiff 4.05) and each cluster has kBwdFoldMinRows rows or more; then as many rows
-// as fit that, and the clusters fold onto them (bwd_cluster_smem_kernel), their flags in
-// the parameter gradient's memory. The fold's last links wait at the end of the kernel:
-// H200 bf16 LayerNorm backward 4096 x 65536 (273 rows a cluster) 602.9 -> 602.7 µs,
-// 512 x 65536 (34) 93 -> 100 µs. Knob JAX_OPS_NORM_BWD_CLUSTER_FOLD=0: a row a cluster.
+// both kBwdFoldBytes and 1/128 of x's bytes (LayerNorm at 4096 x 65536: 15 clusters'
+// rows of two arrays took 7.5 MiB, autodiff 4.05) and each cluster has kBwdFoldMinRows
+// rows or more; then as many rows as fit that, and the clusters fold onto them
+// (bwd_cluster_smem_kernel), their flags in the parameter gradient's memory. H200 bf16
+// LayerNorm backward, unfolded -> folded: 4096 x 65536 (273 rows a cluster) 602.9 ->
+// 602.7 µs, 8192 x 32768 540 -> 537, 16384 x 16384 521 -> 514; but 512 x 65536 (34 rows
+// a cluster, the last links wait at the end) 93 -> 100, and 49152 x 32768 3061 -> 3098
+// (where x / 128 keeps it unfolded). Knob JAX_OPS_NORM_BWD_CLUSTER_FOLD=0: never.
 constexpr int64_t kBwdFoldBytes = int64_t(4) << 20;
 constexpr int64_t kBwdFoldMinRows = 128;
 template <typename P>
 bool fold_fits(const BwdArgs& a, int64_t clusters, int cs) {
   return clusters * cs * int64_t(sizeof(int)) <= a.cols * int64_t(sizeof(P));
 }
-template <typename P>
+template <typename T, typename P>
 int64_t bwd_cluster_fold_rows(const BwdArgs& a, int64_t clusters, int cs) {
   static const int on = env_knob("JAX_OPS_NORM_BWD_CLUSTER_FOLD", 1);
   const int64_t row_bytes = ((a.dscale ? 1 : 0) + (a.dbias ? 1 : 0)) * a.cols * int64_t(sizeof(float));
-  const int64_t rows = row_bytes ? kBwdFoldBytes / row_bytes : clusters;
+  const int64_t budget = std::max(kBwdFoldBytes, a.rows * a.cols / 128 * int64_t(sizeof(T)));
+  const int64_t rows = row_bytes ? budget / row_bytes : clusters;
   return on && rows >= 2 && rows < clusters && a.rows >= kBwdFoldMinRows * clusters && fold_fits<P>(a, clusters, cs)
              ? rows
              : clusters;
@@ -2566,7 +2569,7 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
                                 static_cast<const typename S::Args&>(a), ds, db, flags, fold);
   };
   if (plan) {
-    *err = plan_parts(a, can_fold ? bwd_cluster_fold_rows<P>(a, clusters, shape.cs) : clusters, plan);
+    *err = plan_parts(a, can_fold ? bwd_cluster_fold_rows<T, P>(a, clusters, shape.cs) : clusters, plan);
     return true;
   }
   if (!wants_param_grads(a)) {
