@@ -273,11 +273,12 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// A flag one block raises for another of the same grid (gpu scope, sm_70+): the release
-// store orders the writes the raising block made visible before it (each writer fences,
-// then the block synchronizes) before the flag; the acquire load orders the waiter's
-// later reads after it. A handshake, not a reduction: the values themselves are added
-// in a fixed order by ordinary loads and stores.
+// A flag one block raises for another of the same grid (gpu scope, sm_70+). Raised by one
+// thread after the block's barrier, the release store orders the block's earlier writes
+// before the flag (cumulativity; CUTLASS's serial split-K semaphore does the same); the
+// acquire load, followed by the waiter's barrier, orders its block's later reads after
+// it. A handshake, not a reduction: the values are added in a fixed order by ordinary
+// loads and stores.
 __device__ __forceinline__ void flag_raise(int* flag) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(flag), "r"(1) : "memory");
 }

@@ -1333,9 +1333,10 @@ constexpr int bwd_cluster_smem_stride() { return VEC ? 3 * PACK + 4 : 3 * PACK +
 // its partials to theirs (in that order), writes them back and raises its own (the
 // release by one thread after the block's barrier covers the block's writes, as in
 // CUTLASS's serial split-K semaphore). A thread's PACK values move in 16-byte accesses
-// (PACK % 4 == 0, col % PACK == 0): scalar ones cost a block at 65536 columns about
-// 10 µs a link of the fold (H200). Not inlined: at the end of a kernel that holds 64
-// registers, it left the main loop's allocation as it was.
+// (PACK % 4 == 0, col % PACK == 0): with 4-byte ones (8 sectors fetched a useful one
+// across a warp) and a fence in every thread, a link of the fold took about 10 µs at
+// 65536 columns (H200), now a few. Not inlined: it kept the fold variant's main loop
+// within 8 instructions of the unfolded kernel's.
 template <int PACK>
 __device__ __noinline__ void store_cluster_partials(int64_t cols, const RowSplit& sp, int64_t col, bool owns,
                                                     float (&ds)[PACK], float (&db)[PACK], float* part_ds,
