@@ -50,12 +50,6 @@ abw_body() {  # the kernel without the fold (knob 0) against the previous build
 }
 has abw && ab_stage abw abw_body
 has san && DTYPES=float16,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 "${SAN_COLS:-16384,65536}" "${RACE_COLS:-65536}"
-if has sanfold; then  # the fold (rows >= 128 a cluster): memcheck and synccheck, bf16 LayerNorm / add_layer_norm
-  for tool in memcheck synccheck; do
-    DTYPES=bfloat16 ROWS=1921 OPS=ln,add_ln timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
-      python3 benchmarks/sanitize_norm.py 65536 2>&1; echo "$tool rc $?"
-  done > "$OUT/sanitize_fold.txt"
-  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sanitize_fold.txt" | tee -a "$LOG"
-  stage_done sanitize_fold
-fi
+# the fold (rows >= 128 a cluster): memcheck and synccheck, bf16 LayerNorm / add_layer_norm
+has sanfold && SAN_NAME=sanitize_fold DTYPES=bfloat16 SAN_OPS=ln,add_ln norm_sanitize 1921 65536 ""
 finish_call "log|env|tests|workspace_bf16|fold65_4096|fold16|fold49k_bf16|fold49k_f16|abw|sanitize_fold"

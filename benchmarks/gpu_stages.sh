@@ -14,17 +14,20 @@ norm_tests() {
 }
 # compute-sanitizer over benchmarks/sanitize_norm.py (ROWS rows; ops SAN_OPS, else OPS,
 # else ln,rms): memcheck and synccheck at COLS, racecheck (ops RACE_OPS, else the same)
-# at RACE_COLS, to $OUT/sanitize.txt and the log: norm_sanitize ROWS COLS RACE_COLS
+# at RACE_COLS (none if empty), to $OUT/NAME.txt (SAN_NAME, default sanitize) and the
+# log: norm_sanitize ROWS COLS RACE_COLS
 norm_sanitize() {
-  local rows=$1 cols=$2 race=$3 ops=${SAN_OPS:-${OPS:-ln,rms}} tool
+  local rows=$1 cols=$2 race=$3 ops=${SAN_OPS:-${OPS:-ln,rms}} name=${SAN_NAME:-sanitize} tool
   { for tool in memcheck synccheck; do
       ROWS=$rows OPS=$ops timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
         python3 benchmarks/sanitize_norm.py $cols 2>&1; echo "$tool rc $?"
     done
-    ROWS=$rows OPS=${RACE_OPS:-$ops} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
-      python3 benchmarks/sanitize_norm.py $race 2>&1; echo "racecheck rc $?"; } > "$OUT/sanitize.txt"
-  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/sanitize.txt" | tee -a "$LOG"
-  stage_done sanitize
+    if [ "$race" ]; then
+      ROWS=$rows OPS=${RACE_OPS:-$ops} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
+        python3 benchmarks/sanitize_norm.py $race 2>&1; echo "racecheck rc $?"
+    fi; } > "$OUT/$name.txt"
+  grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done "$name"
 }
 # One cuda benchmark (dtype KNOB_DTYPE, default bf16; KNOB_TIMEOUT s, default 80) per value of a knob, to
 # $OUT/NAME.txt and the log: knob_sweep NAME KNOB "VALUES" BENCH-ARGS...

@@ -1327,23 +1327,22 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
 template <int PACK, bool VEC>
 constexpr int bwd_cluster_smem_stride() { return VEC ? 3 * PACK + 4 : 3 * PACK + 1; }
 
-// A cluster's dscale/dbias partials (its blocks own disjoint columns), row c of the
-// workspace for cluster c; folded (flags not null): row c % fold, where block (c, rank)
-// waits for block (c - fold, rank), which owns the same columns, to raise its flag, adds
-// its partials to theirs (in that order), writes them back and raises its own (the
-// release by one thread after the block's barrier covers the block's writes, as in
-// CUTLASS's serial split-K semaphore). A thread's PACK values move in 16-byte accesses
-// (PACK % 4 == 0, col % PACK == 0): with 4-byte ones (8 sectors fetched a useful one
-// across a warp) and a fence in every thread, a link of the fold took about 10 µs at
-// 65536 columns (H200), now a few. Not inlined: it kept the fold variant's main loop
-// within 8 instructions of the unfolded kernel's.
+// A folded cluster's dscale/dbias partials (its blocks own disjoint columns): cluster c
+// writes row c % fold; block (c, rank) first waits for block (c - fold, rank), which owns
+// the same columns, to raise its flag and adds its partials to that row's (in that
+// order), then raises its own flag if a later cluster adds to the row. The release by one
+// thread after the block's barrier covers the block's writes, as in CUTLASS's serial
+// split-K semaphore. A thread's PACK values move in 16-byte accesses (PACK % 4 == 0,
+// col % PACK == 0): 4-byte ones fetched 8 sectors a useful one across a warp, and with a
+// fence in every thread a link took about 10 µs at 65536 columns (H200). Not inlined: it
+// kept the fold variant's main loop within 8 instructions of the unfolded kernel's.
 template <int PACK>
-__device__ __noinline__ void store_cluster_partials(int64_t cols, const RowSplit& sp, int64_t col, bool owns,
-                                                    float (&ds)[PACK], float (&db)[PACK], float* part_ds,
-                                                    float* part_db, int* flags, int64_t fold) {
+__device__ __noinline__ void store_folded_partials(int64_t cols, const RowSplit& sp, int64_t col, bool owns,
+                                                   float (&ds)[PACK], float (&db)[PACK], float* part_ds,
+                                                   float* part_db, int* flags, int64_t fold) {
   static_assert(PACK % 4 == 0, "16-byte accesses");
   const int cluster = int(sp.first_row), folds = int(fold);  // fewer than 2^31 clusters
-  const int64_t at = (flags ? cluster % folds : cluster) * cols + col;
+  const int64_t at = int64_t(cluster % folds) * cols + col;
   const auto add = [&](const float* part, float (&v)[PACK]) {
 #pragma unroll
     for (int q = 0; q < PACK; q += 4) {  // from L2: written by another SM
@@ -1356,7 +1355,7 @@ __device__ __noinline__ void store_cluster_partials(int64_t cols, const RowSplit
     for (int q = 0; q < PACK; q += 4)
       *reinterpret_cast<float4*>(part + at + q) = make_float4(v[q], v[q + 1], v[q + 2], v[q + 3]);
   };
-  if (flags && cluster >= folds) {
+  if (cluster >= folds) {
     if (threadIdx.x == 0) flag_wait(flags + (cluster - folds) * sp.size + sp.rank);
     __syncthreads();
     if (owns && part_ds) add(part_ds, ds);
@@ -1364,7 +1363,7 @@ __device__ __noinline__ void store_cluster_partials(int64_t cols, const RowSplit
   }
   if (owns && part_ds) put(part_ds, ds);
   if (owns && part_db) put(part_db, db);
-  if (flags && cluster + folds < int(sp.step)) {  // a later cluster adds to this row
+  if (cluster + folds < int(sp.step)) {
     __syncthreads();
     if (threadIdx.x == 0) flag_raise(flags + cluster * sp.size + sp.rank);
   }
@@ -1488,7 +1487,7 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   get(acc, ds, PACK);
   get(acc + PACK, db, PACK);
   if constexpr (FOLD) {
-    store_cluster_partials<PACK>(a.cols, sp, col, owns, ds, db, part_ds, part_db, flags, fold);
+    store_folded_partials<PACK>(a.cols, sp, col, owns, ds, db, part_ds, part_db, flags, fold);
   } else if (owns) {
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
@@ -2557,24 +2556,25 @@ bool launch_bwd_cluster_smem(const BwdAddArgs& a, cudaStream_t stream, int64_t* 
         shape = fits[cs], clusters = resident[cs];
   }
   const size_t smem = smem_of(shape);
-  // The fold's kernel where it keeps the other's resident clusters (the 16-byte layout only).
   const auto fold_kernel = bwd_cluster_smem_kernel<T, P, PACK, K, S, true, true>;
+  const auto launch = [&](float* ds, float* db, int* flags, int64_t fold) {
+    return launch_clusters_smem(flags ? fold_kernel : kernel, shape.cs, shape.threads, smem, clusters, stream,
+                                static_cast<const typename S::Args&>(a), ds, db, flags, fold);
+  };
+  if (!wants_param_grads(a)) {
+    clusters = std::min(clusters, a.rows);
+    *err = plan ? plan_parts(a, 0, plan) : launch(nullptr, nullptr, nullptr, 0);
+    return true;
+  }
+  // The fold's kernel where it keeps the other's resident clusters (the 16-byte layout only).
   int64_t fold_clusters = 0;
   const bool can_fold = vec && allow_smem(fold_kernel, smem) == cudaSuccess &&
                         cluster_grid(fold_kernel, shape.cs, shape.threads, int64_t(1) << 40, &fold_clusters, smem) ==
                             cudaSuccess && fold_clusters >= clusters;
   if (!can_fold) cudaGetLastError();
   clusters = std::min(clusters, a.rows);
-  const auto launch = [&](float* ds, float* db, int* flags, int64_t fold) {
-    return launch_clusters_smem(flags ? fold_kernel : kernel, shape.cs, shape.threads, smem, clusters, stream,
-                                static_cast<const typename S::Args&>(a), ds, db, flags, fold);
-  };
   if (plan) {
     *err = plan_parts(a, can_fold ? bwd_cluster_fold_rows<T, P>(a, clusters, shape.cs) : clusters, plan);
-    return true;
-  }
-  if (!wants_param_grads(a)) {
-    *err = launch(nullptr, nullptr, nullptr, 0);
     return true;
   }
   // The workspace has the rows the dry run planned: a row a cluster, or fewer when folded.
