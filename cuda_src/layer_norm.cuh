@@ -517,18 +517,29 @@ struct StoreDxAddDh {
   }
 };
 
+// The norm's kind at compile time: a load/store policy as the kernels take it. The
+// kernels are instantiated for each, so RMSNorm's drop the mean, the sums of g it needs
+// and dbias rather than branching on a flag (its 16-bit cluster backward ran 32 % fewer
+// instructions a row pair, and measured 1.11-1.15x faster on the H200 at 16384-65536
+// columns; docs/perf-notes.md).
+template <typename Policy, bool RMS>
+struct OfNorm : Policy {
+  using Policy::Policy;
+  static constexpr bool kRms = RMS;
+};
+
 // ---------------------------------------------------------------- forward ---
 
 // Exact two-pass statistics of a row held in registers by a group of WIDTH
 // lanes (packs v*WIDTH + glane): mean first, then Σ(x - mean)²; no divisions,
 // and at least as accurate as Welford. RMSNorm: Σx² only.
-template <int WIDTH, typename PackT, int VPT>
+template <int WIDTH, bool RMS, typename PackT, int VPT>
 __device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], bool valid_row, int glane,
                                                        const FwdArgs& a) {
   constexpr int PACK = sizeof(PackT::v) / sizeof(PackT::v[0]);
   const float inv_n = 1.f / float(a.cols);
   float mean = 0.f;
-  if (!a.rms) {
+  if constexpr (!RMS) {
     float s = 0.f;
 #pragma unroll
     for (int v = 0; v < VPT; ++v)
@@ -585,7 +596,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      const RowStats st = row_stats_two_pass<WIDTH>(raw[r], row < a.rows, glane, a);
+      const RowStats st = row_stats_two_pass<WIDTH, L::kRms>(raw[r], row < a.rows, glane, a);
       if (row >= a.rows) continue;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
@@ -720,8 +731,8 @@ __global__ void __launch_bounds__(fwd_block_max_threads(K)) fwd_block_regs_kerne
   const int64_t nvec = a.cols / PACK;
   const L load(a);
   T* y = static_cast<T*>(a.y);
-  constexpr bool kWordLoad = !SPLIT && std::is_same_v<L, LoadX<T>>;
-  constexpr bool kWordAdd = !SPLIT && std::is_same_v<L, LoadAdd<T>> && sizeof(T) == 2 && PACK % 8 == 0;
+  constexpr bool kWordLoad = !SPLIT && std::is_base_of_v<LoadX<T>, L>;
+  constexpr bool kWordAdd = !SPLIT && std::is_base_of_v<LoadAdd<T>, L> && sizeof(T) == 2 && PACK % 8 == 0;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     RowWords<T, PACK> raw[K];
 #pragma unroll
@@ -750,7 +761,7 @@ __global__ void __launch_bounds__(fwd_block_max_threads(K)) fwd_block_regs_kerne
 #pragma unroll
         for (int j = 0; j < PACK; ++j) s += raw[k].template value<false>(j);
       }
-    const float local_mean = (a.rms || cnt == 0.f) ? 0.f : s / cnt;
+    const float local_mean = (L::kRms || cnt == 0.f) ? 0.f : s / cnt;
 #pragma unroll
     for (int k = 0; k < K; ++k)
       if (threadIdx.x + int64_t(k) * blockDim.x < nvec)
@@ -766,7 +777,7 @@ __global__ void __launch_bounds__(fwd_block_max_threads(K)) fwd_block_regs_kerne
       load_pack_param<P, PACK, SPLIT>(a.scale, threadIdx.x, 1.f, sc);
       load_pack_param<P, PACK, SPLIT>(a.bias, threadIdx.x, 0.f, bi);
     }
-    const RowStats st = block_stats(acc, a.cols, a.eps, a.rms, nvec == int64_t(K) * blockDim.x);
+    const RowStats st = block_stats(acc, a.cols, a.eps, L::kRms, nvec == int64_t(K) * blockDim.x);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t v = threadIdx.x + int64_t(k) * blockDim.x;
@@ -815,12 +826,12 @@ __device__ __forceinline__ void fwd_block_body(const typename L::Args& a) {
       float f[PACK];
 #pragma unroll
       for (int k = 0; k < PACK; ++k) f[k] = to_float(pk.v[k]);
-      acc.add_pack(f, a.rms);
+      acc.add_pack(f, L::kRms);
     }
     // The split cluster kernel keeps the Welford merges: at its 40 registers the merge by
     // sums spilled 4 more bytes, and LayerNorm's 65536-column forward ran 2.7 % slower
     // (H200, docs/perf-notes.md), though its rows there are uniform.
-    const RowStats st = row_stats<CLUSTER, !SPLIT>(acc, a.cols, a.eps, a.rms, nvec % span == 0, use);
+    const RowStats st = row_stats<CLUSTER, !SPLIT>(acc, a.cols, a.eps, L::kRms, nvec % span == 0, use);
 #pragma unroll 4
     for (int64_t v = tid, c = threadIdx.x; v < nvec; v += span, c += blockDim.x) {
       PackT pk;
@@ -868,8 +879,8 @@ __global__ void __launch_bounds__(512, 3) fwd_cluster_split_kernel(typename L::A
 // blocks' partials (bwd_group_merge_blocks): each block's sums go to row 0 of its buffers
 // (a column is read and rewritten by the same thread), then block rank r adds every
 // cs-th run of THREADS columns over the cluster's blocks in rank order, into row
-// blockIdx / cs.
-template <int PACK, int VPT, int WIDTH, int THREADS = kRegsThreads>
+// blockIdx / cs. DB: whether there are dbias partials (not for RMSNorm).
+template <int PACK, int VPT, int WIDTH, int THREADS, bool DB>
 __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float (&ds)[VPT * PACK],
                                                          float (&db)[VPT * PACK], float* red, float* part_ds,
                                                          float* part_db) {
@@ -881,7 +892,7 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       ds[i] += __shfl_xor_sync(0xffffffffu, ds[i], off);
-      db[i] += __shfl_xor_sync(0xffffffffu, db[i], off);
+      if constexpr (DB) db[i] += __shfl_xor_sync(0xffffffffu, db[i], off);
     }
   float* red_ds = red;
   float* red_db = red + WARPS * a.cols;
@@ -893,7 +904,7 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float
 #pragma unroll
       for (int k = 0; k < PACK; ++k) {
         red_ds[warp * a.cols + col + k] = ds[v * PACK + k];
-        red_db[warp * a.cols + col + k] = db[v * PACK + k];
+        if constexpr (DB) red_db[warp * a.cols + col + k] = db[v * PACK + k];
       }
     }
   }
@@ -903,7 +914,7 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float
   // (run, column, array) items over the block's threads.
   int per = 1;
   if constexpr (THREADS > kRegsThreads) {
-    const int cols = int(a.cols), items = 2 * cols;
+    const int cols = int(a.cols), items = (DB ? 2 : 1) * cols;
     const int runs = THREADS / items < 1 ? 1 : (THREADS / items > WARPS ? WARPS : THREADS / items);
     per = runs > 1 ? (WARPS + runs - 1) / runs : 1;  // one run: the warp rows as they are
     for (int i = threadIdx.x; runs > 1 && i < items * runs; i += THREADS) {
@@ -917,13 +928,16 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float
   }
   for (int64_t col = threadIdx.x; col < a.cols; col += THREADS) {
     float s_ds = 0.f, s_db = 0.f;
-    for (int w = 0; w < WARPS; w += per) { s_ds += red_ds[w * a.cols + col]; s_db += red_db[w * a.cols + col]; }
+    for (int w = 0; w < WARPS; w += per) {
+      s_ds += red_ds[w * a.cols + col];
+      if constexpr (DB) s_db += red_db[w * a.cols + col];
+    }
     if (cs > 1) {
       red_ds[col] = s_ds;
-      red_db[col] = s_db;
+      if constexpr (DB) red_db[col] = s_db;
     } else {
       if (part_ds) part_ds[blockIdx.x * a.cols + col] = s_ds;
-      if (part_db) part_db[blockIdx.x * a.cols + col] = s_db;
+      if (DB && part_db) part_db[blockIdx.x * a.cols + col] = s_db;
     }
   }
   if (cs == 1) return;
@@ -934,10 +948,10 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float
     for (int q = 0; q < cs; ++q) {
       const float* other = cluster_map(red, q);
       s_ds += other[col];
-      s_db += other[WARPS * a.cols + col];
+      if constexpr (DB) s_db += other[WARPS * a.cols + col];
     }
     if (part_ds) part_ds[part * a.cols + col] = s_ds;
-    if (part_db) part_db[part * a.cols + col] = s_db;
+    if (DB && part_db) part_db[part * a.cols + col] = s_db;
   }
   cluster_sync();  // no block leaves while another still reads its shared memory
 }
@@ -1000,7 +1014,7 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
     }
   }
   const float inv_n = 1.f / float(a.cols);
-  const float mg = a.rms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
+  const float mg = S::kRms ? 0.f : group_sum<WIDTH>(sum_g) * inv_n;
   const float mgx = group_sum<WIDTH>(sum_gx) * inv_n;
   if (!valid) return;
 #pragma unroll
@@ -1013,10 +1027,10 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
     for (int k = 0; k < PACK; ++k) {
       const int i = v * PACK + k;
       if constexpr (KEEP) {
-        out[k] = norm_dx(g[i], xh[i], rstd, mg, mgx);
+        out[k] = norm_dx_of<S::kRms>(g[i], xh[i], rstd, mg, mgx);
       } else {
         const float d = to_float(rd[v].v[k]), xhv = norm_xhat<T>(to_float(rx[v].v[k]), mean, rstd);
-        out[k] = norm_dx(d * sc[k], xhv, rstd, mg, mgx);
+        out[k] = norm_dx_of<S::kRms>(d * sc[k], xhv, rstd, mg, mgx);
         ds[i] += d * xhv;
         db[i] += d;
       }
@@ -1078,7 +1092,7 @@ __global__ void __launch_bounds__(THREADS,
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
       const bool valid = row < a.rows;
-      t.mean[r] = (valid && !a.rms) ? a.mean[row] : 0.f;
+      t.mean[r] = (valid && !S::kRms) ? a.mean[row] : 0.f;
       t.rstd[r] = valid ? a.rstd[row] : 0.f;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
@@ -1129,8 +1143,8 @@ __global__ void __launch_bounds__(THREADS,
     }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
-  extern __shared__ float red[];  // [2][warps][cols]
-  bwd_group_store_partials<PACK, VPT, WIDTH, THREADS>(a, ds, db, red, part_ds, part_db);
+  extern __shared__ float red[];  // [2 (RMSNorm: 1)][warps][cols]
+  bwd_group_store_partials<PACK, VPT, WIDTH, THREADS, !S::kRms>(a, ds, db, red, part_ds, part_db);
 }
 
 // Block (or cluster) per row; each thread owns K packs of every row (fixed
@@ -1180,7 +1194,7 @@ __device__ __forceinline__ void bwd_block_row(const BwdArgs& a, const S& store, 
   const float2 sums = row_sum2<CLUSTER>(sum_g, sum_gx, use);
   after_sums();
   const float inv_n = 1.f / float(a.cols);
-  const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
+  const float mg = S::kRms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t col = (tid + int64_t(k) * span) * PACK;
@@ -1189,7 +1203,7 @@ __device__ __forceinline__ void bwd_block_row(const BwdArgs& a, const S& store, 
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
       const int i = k * PACK + j;
-      out[j] = norm_dx(g[i], xh[i], rstd, mg, mgx);
+      out[j] = norm_dx_of<S::kRms>(g[i], xh[i], rstd, mg, mgx);
       ds[i] += dyv[i] * xh[i];
       db[i] += dyv[i];
     }
@@ -1197,8 +1211,9 @@ __device__ __forceinline__ void bwd_block_row(const BwdArgs& a, const S& store, 
   }
 }
 
-// The block's (cluster's) dscale/dbias partials, row sp.first_row of the workspace.
-template <int PACK, int K>
+// The block's (cluster's) dscale/dbias partials, row sp.first_row of the workspace (DB:
+// whether there are dbias partials; not for RMSNorm).
+template <int PACK, int K, bool DB>
 __device__ __forceinline__ void bwd_store_partials(const BwdArgs& a, const RowSplit& sp, const float (&ds)[K * PACK],
                                                    const float (&db)[K * PACK], float* part_ds, float* part_db) {
   const int64_t tid = sp.thread(), span = sp.threads();
@@ -1210,7 +1225,7 @@ __device__ __forceinline__ void bwd_store_partials(const BwdArgs& a, const RowSp
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
       if (part_ds) part_ds[part * a.cols + col + j] = ds[k * PACK + j];
-      if (part_db) part_db[part * a.cols + col + j] = db[k * PACK + j];
+      if (DB && part_db) part_db[part * a.cols + col + j] = db[k * PACK + j];
     }
   }
 }
@@ -1221,16 +1236,19 @@ __device__ __forceinline__ void bwd_store_partials(const BwdArgs& a, const RowSp
 // i = r (mod size) of every block in rank order and writes row blockIdx / size of the
 // workspace: size times fewer partial rows, the same sums in a fixed order. Without
 // a cluster (size 1) the block writes its own row.
-template <int PACK, int K>
+template <int PACK, int K, bool DB>
 __device__ __forceinline__ void bwd_merge_store_partials(const BwdArgs& a, const RowSplit& sp, const float (&ds)[K * PACK],
                                                          const float (&db)[K * PACK], float* part_ds, float* part_db,
                                                          float* buf) {
   constexpr int N = K * PACK;
   const int cs = cluster_size();
-  if (cs == 1) return bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
+  if (cs == 1) return bwd_store_partials<PACK, K, DB>(a, sp, ds, db, part_ds, part_db);
   const int t = threadIdx.x, nt = blockDim.x;
 #pragma unroll
-  for (int i = 0; i < N; ++i) { buf[i * nt + t] = ds[i]; buf[(N + i) * nt + t] = db[i]; }
+  for (int i = 0; i < N; ++i) {
+    buf[i * nt + t] = ds[i];
+    if constexpr (DB) buf[(N + i) * nt + t] = db[i];
+  }
   cluster_sync();  // every block's partials are visible to the cluster
   const int64_t part = int64_t(blockIdx.x) / cs, tid = sp.thread(), span = sp.threads();
   for (int i = cluster_rank(); i < N; i += cs) {
@@ -1239,11 +1257,11 @@ __device__ __forceinline__ void bwd_merge_store_partials(const BwdArgs& a, const
     for (int q = 0; q < cs; ++q) {
       const float* other = cluster_map(buf, q);
       sd += other[i * nt + t];
-      sb += other[(N + i) * nt + t];
+      if constexpr (DB) sb += other[(N + i) * nt + t];
     }
     if (col < a.cols) {
       if (part_ds) part_ds[part * a.cols + col] = sd;
-      if (part_db) part_db[part * a.cols + col] = sb;
+      if (DB && part_db) part_db[part * a.cols + col] = sb;
     }
   }
   cluster_sync();  // no block leaves while another still reads its shared memory
@@ -1270,7 +1288,7 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
   Pack<T, PACK> xn[K], dn[K];
   float mean_n = 0.f, rstd_n = 0.f;
   const auto load_row = [&](int64_t row) {
-    mean_n = a.rms ? 0.f : a.mean[row];
+    mean_n = S::kRms ? 0.f : a.mean[row];
     rstd_n = a.rstd[row];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -1304,7 +1322,7 @@ __global__ void __launch_bounds__(1024) bwd_block_regs_kernel(typename S::Args a
     bwd_block_row<T, PACK, K, CLUSTER>(a, store, sp, row, mean, rstd, xc, dc, sc, ds, db, use, [] {});
   }
   row_split_exit<CLUSTER>();
-  bwd_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db);
+  bwd_store_partials<PACK, K, !S::kRms>(a, sp, ds, db, part_ds, part_db);
 }
 
 // The cluster tier for 16-bit rows, two rows at a time. In registers, the dscale/dbias
@@ -1378,6 +1396,7 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
                                                                 int* flags, int64_t fold) {
   static_assert(K == 2, "two rows an exchange");
   static_assert(!VEC || PACK % 4 == 0, "16-byte accesses of whole packs");
+  constexpr bool RMS = S::kRms;
   extern __shared__ __align__(16) float acc_rows[];  // [blockDim][stride]: scale, ds, db
   float* sc = acc_rows + threadIdx.x * bwd_cluster_smem_stride<PACK, VEC>();
   float* acc = sc + PACK;
@@ -1414,7 +1433,9 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
     put(sc, scale, PACK);
     put(acc, zero, 2 * PACK);
   }
-  ClusterExchange<2 * K>::init();
+  // RMSNorm: no mean, so no sum of g to exchange and no dbias.
+  constexpr int NS = RMS ? K : 2 * K;
+  ClusterExchange<NS>::init();
   const float inv_n = 1.f / float(a.cols);
   int use = 0;
   for (int64_t row0 = sp.first_row; row0 < a.rows; row0 += K * sp.step, ++use) {
@@ -1427,7 +1448,7 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
     for (int k = 0; k < K; ++k) {
       const int64_t row = row0 + k * sp.step;
       const bool live = row < a.rows;
-      mean[k] = (a.rms || !live) ? 0.f : a.mean[row];
+      mean[k] = (RMS || !live) ? 0.f : a.mean[row];
       rstd[k] = live ? a.rstd[row] : 0.f;
       xc[k].zero();  // dy = 0 past the row's end and the last row: no contribution
       dc[k].zero();
@@ -1447,15 +1468,24 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
 #pragma unroll
         for (int i = 0; i < Q; ++i) {
           const float g = dc[k].template value<false>(j0 + i) * s[i];
-          sum_g[k] += g;
+          if constexpr (!RMS) sum_g[k] += g;
           sum_gx[k] += g * ((xc[k].template value<false>(j0 + i) - mean[k]) * rstd[k]);
         }
     }
-    float sums[2 * K] = {sum_g[0], sum_gx[0], sum_g[1], sum_gx[1]};
-    ClusterExchange<2 * K>::publish(sums, use);
-    ClusterExchange<2 * K>::collect(sums, use);
-    const float mg[K] = {a.rms ? 0.f : sums[0] * inv_n, a.rms ? 0.f : sums[2] * inv_n};
-    const float mgx[K] = {sums[1] * inv_n, sums[3] * inv_n};
+    float sums[NS];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if constexpr (RMS) sums[k] = sum_gx[k];
+      else sums[2 * k] = sum_g[k], sums[2 * k + 1] = sum_gx[k];
+    }
+    ClusterExchange<NS>::publish(sums, use);
+    ClusterExchange<NS>::collect(sums, use);
+    float mg[K], mgx[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      mg[k] = RMS ? 0.f : sums[2 * k] * inv_n;
+      mgx[k] = (RMS ? sums[k] : sums[2 * k + 1]) * inv_n;
+    }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t row = row0 + k * sp.step;
@@ -1466,33 +1496,33 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
         float s[Q], ds[Q], db[Q];
         get(sc + j0, s, Q);
         get(acc + j0, ds, Q);
-        get(acc + PACK + j0, db, Q);
+        if constexpr (!RMS) get(acc + PACK + j0, db, Q);
 #pragma unroll
         for (int i = 0; i < Q; ++i) {
           const int j = j0 + i;
           const float dv = dc[k].template value<true>(j), xh = (xc[k].template value<true>(j) - mean[k]) * rstd[k];
-          out[j] = norm_dx(dv * s[i], xh, rstd[k], mg[k], mgx[k]);
+          out[j] = norm_dx_of<RMS>(dv * s[i], xh, rstd[k], mg[k], mgx[k]);
           ds[i] += dv * xh;
-          db[i] += dv;
+          if constexpr (!RMS) db[i] += dv;
         }
         put(acc + j0, ds, Q);
-        put(acc + PACK + j0, db, Q);
+        if constexpr (!RMS) put(acc + PACK + j0, db, Q);
       }
       store(row * a.cols + col, out);
     }
   }
   row_split_exit<true>();
   // The cluster's partial row: its blocks own disjoint columns.
-  float ds[PACK], db[PACK];
+  float ds[PACK], db[PACK] = {};
   get(acc, ds, PACK);
-  get(acc + PACK, db, PACK);
+  if constexpr (!RMS) get(acc + PACK, db, PACK);
   if constexpr (FOLD) {
-    store_folded_partials<PACK>(a.cols, sp, col, owns, ds, db, part_ds, part_db, flags, fold);
+    store_folded_partials<PACK>(a.cols, sp, col, owns, ds, db, part_ds, RMS ? nullptr : part_db, flags, fold);
   } else if (owns) {
 #pragma unroll
     for (int j = 0; j < PACK; ++j) {
       if (part_ds) part_ds[sp.first_row * a.cols + col + j] = ds[j];
-      if (part_db) part_db[sp.first_row * a.cols + col + j] = db[j];
+      if (!RMS && part_db) part_db[sp.first_row * a.cols + col + j] = db[j];
     }
   }
 }
@@ -1562,7 +1592,7 @@ __global__ void __launch_bounds__(WIDE ? (WIDE_BLOCKS == 2 ? kBwdBulkPairThreads
   __syncthreads();  // the barriers are initialized before anyone waits on them
   float mean_n = 0.f, rstd_n = 0.f;  // the row's statistics, loaded a row ahead
   if (sp.first_row < a.rows) {
-    mean_n = a.rms ? 0.f : a.mean[sp.first_row];
+    mean_n = S::kRms ? 0.f : a.mean[sp.first_row];
     rstd_n = a.rstd[sp.first_row];
   }
   int stage = 0;
@@ -1570,7 +1600,7 @@ __global__ void __launch_bounds__(WIDE ? (WIDE_BLOCKS == 2 ? kBwdBulkPairThreads
   for (int64_t row = sp.first_row; row < a.rows; row += sp.step) {
     const float mean = mean_n, rstd = rstd_n;
     if (row + sp.step < a.rows) {
-      mean_n = a.rms ? 0.f : a.mean[row + sp.step];
+      mean_n = S::kRms ? 0.f : a.mean[row + sp.step];
       rstd_n = a.rstd[row + sp.step];
       if constexpr (S::kPrefetch) {  // the next row's dh to L2, a row ahead of its store (StoreDxAddDh)
 #pragma unroll
@@ -1594,8 +1624,8 @@ __global__ void __launch_bounds__(WIDE ? (WIDE_BLOCKS == 2 ? kBwdBulkPairThreads
     if (++stage == stages) { stage = 0; phase ^= 1u; }
   }
   __syncthreads();  // every thread is done with the staged rows before they hold partials
-  bwd_merge_store_partials<PACK, K>(a, sp, ds, db, part_ds, part_db,
-                                    reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes));
+  bwd_merge_store_partials<PACK, K, !S::kRms>(a, sp, ds, db, part_ds, part_db,
+                                              reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes));
 }
 
 // The group tier's backward (rows of up to kRegsMaxCols values, WIDTH lanes a row) with
@@ -1653,7 +1683,7 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
 #pragma unroll
     for (int j = 0; j < RPG; ++j) {
       const int64_t row = c * CHUNK + j * GROUPS + group;
-      mean_n[j] = row < a.rows && !a.rms ? a.mean[row] : 0.f;
+      mean_n[j] = row < a.rows && !S::kRms ? a.mean[row] : 0.f;
       rstd_n[j] = row < a.rows ? a.rstd[row] : 0.f;
     }
   };
@@ -1691,8 +1721,8 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
     if (++stage == stages) { stage = 0; phase ^= 1u; }
   }
   if (part_ds == nullptr && part_db == nullptr) return;
-  bwd_group_store_partials<PACK, VPT, WIDTH>(a, ds, db, reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes),
-                                             part_ds, part_db);
+  bwd_group_store_partials<PACK, VPT, WIDTH, kRegsThreads, !S::kRms>(
+      a, ds, db, reinterpret_cast<float*>(smem_raw + kBulkBarrierBytes), part_ds, part_db);
 }
 
 // Block per row for long rows: dx only (x and dy cached in shared memory, or
@@ -1709,7 +1739,7 @@ __global__ void bwd_block_kernel(typename S::Args a) {
   const S store(a);
   const float inv_n = 1.f / float(a.cols);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
-    const float mean = a.rms ? 0.f : a.mean[row];
+    const float mean = S::kRms ? 0.f : a.mean[row];
     const float rstd = a.rstd[row];
     float sum_g = 0.f, sum_gx = 0.f;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
@@ -1725,7 +1755,7 @@ __global__ void bwd_block_kernel(typename S::Args a) {
       }
     }
     const float2 sums = block_sum2(sum_g, sum_gx);
-    const float mg = a.rms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
+    const float mg = S::kRms ? 0.f : sums.x * inv_n, mgx = sums.y * inv_n;
     for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
       const PackT px = CACHE ? cache_x[v] : x[row * nvec + v];
       const PackT pd = CACHE ? cache_dy[v] : dy[row * nvec + v];
@@ -1733,7 +1763,7 @@ __global__ void bwd_block_kernel(typename S::Args a) {
       load_param<P, PACK>(a.scale, v * PACK, 1.f, sc);
 #pragma unroll
       for (int k = 0; k < PACK; ++k)
-        out[k] = norm_dx(to_float(pd.v[k]) * sc[k], (to_float(px.v[k]) - mean) * rstd, rstd, mg, mgx);
+        out[k] = norm_dx_of<S::kRms>(to_float(pd.v[k]) * sc[k], (to_float(px.v[k]) - mean) * rstd, rstd, mg, mgx);
       store(row * a.cols + v * PACK, out);
     }
     if (CACHE) __syncthreads();
@@ -1871,7 +1901,7 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
   // lanes and one pack a lane: 2 for a plain norm (a tile then had one row, 512 bytes,
   // in flight a warp: bf16 256 / float32 128 columns 1.03-1.04x), 1 for add+norm (1-2 %
   // slower with 2).
-  constexpr bool kPlain = std::is_same_v<L, LoadX<T>>;
+  constexpr bool kPlain = std::is_base_of_v<LoadX<T>, L>;
   if constexpr (WIDTH < 32) {
     static const int knob = env_knob("JAX_OPS_NORM_FWD_GROUP_ROWS", 0);
     const int group_rows = knob == 1 || knob == 2 || knob == 4 ? knob : (kPlain ? 2 : 1);
@@ -1896,7 +1926,7 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
 // JAX_OPS_NORM_FWD_SPLIT=0: never). Not add+norm: its x, residual and h in half packs
 // cost more than the parameter loads save (H100, 32768 columns: 1.18x slower).
 template <typename T, typename P, int PACK, typename L>
-constexpr bool kSplitTypes = sizeof(T) == 2 && sizeof(P) == 4 && PACK == 8 && std::is_same_v<L, LoadX<T>>;
+constexpr bool kSplitTypes = sizeof(T) == 2 && sizeof(P) == 4 && PACK == 8 && std::is_base_of_v<LoadX<T>, L>;
 
 inline bool use_split(const FwdAddArgs& a) {
   static const int knob = env_knob("JAX_OPS_NORM_FWD_SPLIT", 1);
@@ -2012,7 +2042,7 @@ int fwd_block_packs(const FwdAddArgs& a, int forced) {
   const int rows5 = fwd_block_rows_per_sm<T, P, PACK, 5, L>(nvec);
   if (rows4 == 1 && rows5 >= 2) return 5;
   if (rows4 == 1 && fwd_block_rows_per_sm<T, P, PACK, 6, L>(nvec) >= 2) return 6;
-  const bool biased = std::is_same_v<L, LoadAdd<T>> || a.bias != nullptr;
+  const bool biased = std::is_base_of_v<LoadAdd<T>, L> || a.bias != nullptr;
   if (biased && (nvec % 128 != 0 || (rows4 <= 2 && rows5 > rows4))) return 5;
   return 4;
 }
@@ -2066,7 +2096,7 @@ cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
   // (x and residual loads in flight, 172 registers, 8 warps an SM) measured 70 % of
   // copy (knob JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES, bytes of a row).
   static const int add_regs_max_bytes = env_knob("JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES", kFwdRegsMaxBytes / 2);
-  const int64_t regs_max_cols = std::is_same_v<L, LoadAdd<T>>
+  const int64_t regs_max_cols = std::is_base_of_v<LoadAdd<T>, L>
       ? std::min<int64_t>(fwd_regs_max_cols<T, PACK>(), add_regs_max_bytes / int64_t(sizeof(T)))
       : fwd_regs_max_cols<T, PACK>();
   if (a.cols <= regs_max_cols) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
@@ -2076,8 +2106,11 @@ cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
 
 template <typename T, typename P, int PACK>
 cudaError_t launch_fwd_load(const FwdAddArgs& a, cudaStream_t stream) {
-  return a.residual ? launch_fwd_packed<T, P, PACK, LoadAdd<T>>(a, stream)
-                    : launch_fwd_packed<T, P, PACK, LoadX<T>>(a, stream);
+  if (a.residual)
+    return a.rms ? launch_fwd_packed<T, P, PACK, OfNorm<LoadAdd<T>, true>>(a, stream)
+                 : launch_fwd_packed<T, P, PACK, OfNorm<LoadAdd<T>, false>>(a, stream);
+  return a.rms ? launch_fwd_packed<T, P, PACK, OfNorm<LoadX<T>, true>>(a, stream)
+               : launch_fwd_packed<T, P, PACK, OfNorm<LoadX<T>, false>>(a, stream);
 }
 
 template <typename T, typename P>
@@ -2194,7 +2227,7 @@ cudaError_t lean_merge_grid(const BwdArgs& a, int* cs, int64_t* parts, Query&& q
 // packs. False (nothing launched) where it does not apply.
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
-  static_assert(PACK * sizeof(T) == 16 && std::is_same_v<S, StoreDx<T>>, "plain norms, 16-byte packs");
+  static_assert(PACK * sizeof(T) == 16 && std::is_base_of_v<StoreDx<T>, S>, "plain norms, 16-byte packs");
   static const int stages = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_STAGES", 2);
   static const int max_cols = env_knob("JAX_OPS_NORM_BWD_ROWS_BULK_MAX_COLS", kRegsMaxCols);
   if (stages < 2 || stages > kBulkBarrierBytes / 8 || a.cols > max_cols) return false;
@@ -2234,7 +2267,7 @@ template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool
 cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
   // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
-  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2 && std::is_same_v<S, StoreDx<T>>) {
+  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2 && std::is_base_of_v<StoreDx<T>, S>) {
     cudaError_t err = cudaSuccess;
     if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
   }
@@ -2243,7 +2276,8 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
   constexpr int ROWS_PER_BLOCK = (THREADS / WIDTH) * ROWS;
   auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH, THREADS>;
   const bool partials = wants_param_grads(a);
-  const size_t smem = partials ? 2 * size_t(THREADS / 32) * size_t(a.cols) * sizeof(float) : 0;  // a row a warp
+  // a row a warp of each partial array (RMSNorm's one: dscale)
+  const size_t smem = partials ? (S::kRms ? 1 : 2) * size_t(THREADS / 32) * size_t(a.cols) * sizeof(float) : 0;
   cudaError_t err;
   if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
   const int64_t work_blocks = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
@@ -2373,7 +2407,7 @@ template <typename T, typename P, int PACK, typename S, int K = 1>
 bool launch_bwd_block_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan, cudaError_t* err) {
   static const int knob = env_knob("JAX_OPS_NORM_BWD_BULK_WIDE", 1);
   static const bool pair = env_knob("JAX_OPS_NORM_BWD_BULK_PAIR", 1) != 0;
-  const bool wide = knob == 2 || (knob == 1 && std::is_same_v<S, StoreDxAddDh<T>>);
+  const bool wide = knob == 2 || (knob == 1 && std::is_base_of_v<StoreDxAddDh<T>, S>);
   const int64_t nvec = a.cols / PACK;
   if (K == 1 && pair && nvec > kBwdBulkMaxThreads && nvec <= kBwdBulkPairThreads)
     return launch_bwd_bulk_k<T, P, PACK, S, 1, true, 2>(a, warp_threads(nvec, 1), stream, plan, err);
@@ -2613,8 +2647,11 @@ cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t*
 
 template <typename T, typename P, int PACK>
 cudaError_t launch_bwd_store(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  return a.dh ? launch_bwd_packed<T, P, PACK, StoreDxAddDh<T>>(a, stream, plan)
-              : launch_bwd_packed<T, P, PACK, StoreDx<T>>(a, stream, plan);
+  if (a.dh)
+    return a.rms ? launch_bwd_packed<T, P, PACK, OfNorm<StoreDxAddDh<T>, true>>(a, stream, plan)
+                 : launch_bwd_packed<T, P, PACK, OfNorm<StoreDxAddDh<T>, false>>(a, stream, plan);
+  return a.rms ? launch_bwd_packed<T, P, PACK, OfNorm<StoreDx<T>, true>>(a, stream, plan)
+               : launch_bwd_packed<T, P, PACK, OfNorm<StoreDx<T>, false>>(a, stream, plan);
 }
 
 template <typename T, typename P>

@@ -111,6 +111,14 @@ JO_HD float norm_out_as(float x, RowStats s, float scale, float bias) {
 JO_HD float norm_dx(float g, float xhat, float rstd, float mean_g, float mean_gxhat) {
   return g * rstd - rstd * mean_g - xhat * (rstd * mean_gxhat);
 }
+// The kernels' form, RMS known at compile time: RMSNorm's leaves out mean_g (0), which
+// the compiler does not fold away (rstd * 0 is not 0 for an infinite rstd); the same
+// value wherever rstd is finite.
+template <bool RMS>
+JO_HD float norm_dx_of(float g, float xhat, float rstd, float mean_g, float mean_gxhat) {
+  if constexpr (RMS) return g * rstd - xhat * (rstd * mean_gxhat);
+  else return norm_dx(g, xhat, rstd, mean_g, mean_gxhat);
+}
 
 // add+norm: h = x + residual, rounded once to the storage type (what `x + residual`
 // gives in jnp for same-dtype operands: the float sum of two 16-bit values rounds
