@@ -1518,12 +1518,8 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
   if constexpr (!RMS) get(acc + PACK, db, PACK);
   if constexpr (FOLD) {
     store_folded_partials<PACK>(a.cols, sp, col, owns, ds, db, part_ds, RMS ? nullptr : part_db, flags, fold);
-  } else if (owns) {
-#pragma unroll
-    for (int j = 0; j < PACK; ++j) {
-      if (part_ds) part_ds[sp.first_row * a.cols + col + j] = ds[j];
-      if (!RMS && part_db) part_db[sp.first_row * a.cols + col + j] = db[j];
-    }
+  } else {
+    bwd_store_partials<PACK, 1, !RMS>(a, sp, ds, db, part_ds, part_db);  // its one pack: col, if owned
   }
 }
 
