@@ -530,98 +530,6 @@ struct OfNorm : Policy {
 
 // ---------------------------------------------------------------- forward ---
 
-// Exact two-pass statistics of a row held in registers by a group of WIDTH
-// lanes (packs v*WIDTH + glane): mean first, then Σ(x - mean)²; no divisions,
-// and at least as accurate as Welford. RMSNorm: Σx² only.
-template <int WIDTH, bool RMS, typename PackT, int VPT>
-__device__ __forceinline__ RowStats row_stats_two_pass(const PackT (&raw)[VPT], bool valid_row, int glane,
-                                                       const FwdArgs& a) {
-  constexpr int PACK = sizeof(PackT::v) / sizeof(PackT::v[0]);
-  const float inv_n = 1.f / float(a.cols);
-  float mean = 0.f;
-  if constexpr (!RMS) {
-    float s = 0.f;
-#pragma unroll
-    for (int v = 0; v < VPT; ++v)
-      if (valid_row && int64_t(v * WIDTH + glane) * PACK < a.cols)
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) s += to_float(raw[v].v[k]);
-    mean = group_sum<WIDTH>(s) * inv_n;
-  }
-  float q = 0.f;
-#pragma unroll
-  for (int v = 0; v < VPT; ++v)
-    if (valid_row && int64_t(v * WIDTH + glane) * PACK < a.cols)
-#pragma unroll
-      for (int k = 0; k < PACK; ++k) {
-        const float d = to_float(raw[v].v[k]) - mean;
-        q += d * d;
-      }
-  const float var = group_sum<WIDTH>(q) * inv_n;
-  return RowStats{mean, rsqrt_f32(var + a.eps)};
-}
-
-template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
-__global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args a) {
-  constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
-  using PackT = Pack<T, PACK>;
-  const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
-  const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
-  const L load(a);
-  T* y = static_cast<T*>(a.y);
-  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
-  for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
-       tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
-    PackT raw[ROWS][VPT];  // the row stays in registers in its storage type
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (row < a.rows && col < a.cols) load(row * a.cols + col, raw[r][v]);
-      }
-    }
-    // With one pack a lane and several rows a group, the tile's rows share the lane's
-    // scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 -> 11.3 µs
-    // at 128 columns; at 256, one row a group, it cost 0.7 µs).
-    constexpr bool SHARED_PARAMS = VPT == 1 && ROWS > 1;
-    float sc1[PACK], bi1[PACK];
-    if constexpr (SHARED_PARAMS) {
-      if (int64_t(glane) * PACK < a.cols) {
-        load_param<P, PACK>(a.scale, int64_t(glane) * PACK, 1.f, sc1);
-        load_param<P, PACK>(a.bias, int64_t(glane) * PACK, 0.f, bi1);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      const RowStats st = row_stats_two_pass<WIDTH, L::kRms>(raw[r], row < a.rows, glane, a);
-      if (row >= a.rows) continue;
-#pragma unroll
-      for (int v = 0; v < VPT; ++v) {
-        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-        if (col >= a.cols) continue;
-        float sc[PACK], bi[PACK], out[PACK];
-        if constexpr (SHARED_PARAMS) {
-#pragma unroll
-          for (int k = 0; k < PACK; ++k) { sc[k] = sc1[k]; bi[k] = bi1[k]; }
-        } else {
-          load_param<P, PACK>(a.scale, col, 1.f, sc);
-          load_param<P, PACK>(a.bias, col, 0.f, bi);
-        }
-#pragma unroll
-        for (int k = 0; k < PACK; ++k) out[k] = norm_out_as<T>(to_float(raw[r][v].v[k]), st, sc[k], bi[k]);
-        store_pack<T, PACK>(y + row * a.cols + col, out);
-      }
-      if (glane == 0 && a.rstd != nullptr) {
-        if (a.mean != nullptr) a.mean[row] = st.mean;
-        a.rstd[row] = st.rstd;
-      }
-    }
-  }
-}
-
 // A row held in 32-bit words: 16-bit values two a register (a Pack of 16-bit structs
 // takes a register per value, which left no registers for the scale/bias loads: they
 // waited behind every store, docs/perf-notes.md). Values are converted where used; the
@@ -700,6 +608,125 @@ __device__ __forceinline__ void store_values(T* p, const float (&v)[PACK]) {
     *reinterpret_cast<Pack<uint32_t, PACK / 2>*>(p) = out;
   } else {
     store_pack<T, PACK>(p, v);
+  }
+}
+
+// A Pack read through RowWords' interface. The warp-tier forward keeps float16 rows so:
+// HADD2.F32 converts either half of a register in place, and as words (RowWords) the
+// output pass took 256 more PRMT and 16 more registers at 4096 columns (SASS).
+template <typename T, int PACK>
+struct RowPack {
+  Pack<T, PACK> p;
+  __device__ __forceinline__ void set(const Pack<T, PACK>& pk) { p = pk; }
+  template <bool ALT>
+  __device__ __forceinline__ float value(int j) const { return to_float(p.v[j]); }
+};
+
+// Exact two-pass statistics of a row held in registers by a group of WIDTH
+// lanes (packs v*WIDTH + glane): mean first, then Σ(x - mean)²; no divisions,
+// and at least as accurate as Welford. RMSNorm: Σx² only.
+template <int WIDTH, bool RMS, int PACK, typename RowT, int VPT>
+__device__ __forceinline__ RowStats row_stats_two_pass(const RowT (&raw)[VPT], bool valid_row, int glane,
+                                                       const FwdArgs& a) {
+  const float inv_n = 1.f / float(a.cols);
+  float mean = 0.f;
+  if constexpr (!RMS) {
+    float s = 0.f;
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      if (valid_row && int64_t(v * WIDTH + glane) * PACK < a.cols)
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) s += raw[v].template value<false>(k);
+    mean = group_sum<WIDTH>(s) * inv_n;
+  }
+  float q = 0.f;
+#pragma unroll
+  for (int v = 0; v < VPT; ++v)
+    if (valid_row && int64_t(v * WIDTH + glane) * PACK < a.cols)
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        const float d = raw[v].template value<false>(k) - mean;
+        q += d * d;
+      }
+  const float var = group_sum<WIDTH>(q) * inv_n;
+  return RowStats{mean, rsqrt_f32(var + a.eps)};
+}
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
+__global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args a) {
+  constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
+  using PackT = Pack<T, PACK>;
+  const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
+  const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
+  const L load(a);
+  T* y = static_cast<T*>(a.y);
+  // The row stays in registers in its storage type: bfloat16 and float32 as 32-bit words
+  // (a Pack of bfloat16 structs took a register a value: at 4096 columns 174 registers
+  // against 108 as words, twice the warps an SM; docs/perf-notes.md), float16 as a Pack.
+  constexpr bool kWords = !std::is_same_v<T, f16_t>;
+  using RowT = std::conditional_t<kWords, RowWords<T, PACK>, RowPack<T, PACK>>;
+  constexpr bool kWordLoad = kWords && std::is_base_of_v<LoadX<T>, L>;
+  constexpr bool kWordAdd = kWords && std::is_base_of_v<LoadAdd<T>, L> && sizeof(T) == 2 && PACK % 8 == 0;
+  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
+  for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+       tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+    RowT raw[ROWS][VPT];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (row >= a.rows || col >= a.cols) continue;
+        const int64_t i = row * a.cols + col;
+        if constexpr (kWordLoad) {
+          raw[r][v].load(load.x + i);
+        } else if constexpr (kWordAdd) {
+          raw[r][v].load_add(load.x + i, load.residual + i, load.h + i);
+        } else {
+          PackT pk;
+          load(i, pk);
+          raw[r][v].set(pk);
+        }
+      }
+    }
+    // With one pack a lane and several rows a group, the tile's rows share the lane's
+    // scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 -> 11.3 µs
+    // at 128 columns; at 256, one row a group, it cost 0.7 µs).
+    constexpr bool SHARED_PARAMS = VPT == 1 && ROWS > 1;
+    float sc1[PACK], bi1[PACK];
+    if constexpr (SHARED_PARAMS) {
+      if (int64_t(glane) * PACK < a.cols) {
+        load_param<P, PACK>(a.scale, int64_t(glane) * PACK, 1.f, sc1);
+        load_param<P, PACK>(a.bias, int64_t(glane) * PACK, 0.f, bi1);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
+      const RowStats st = row_stats_two_pass<WIDTH, L::kRms, PACK>(raw[r], row < a.rows, glane, a);
+      if (row >= a.rows) continue;
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (col >= a.cols) continue;
+        float sc[PACK], bi[PACK], out[PACK];
+        if constexpr (SHARED_PARAMS) {
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) { sc[k] = sc1[k]; bi[k] = bi1[k]; }
+        } else {
+          load_param<P, PACK>(a.scale, col, 1.f, sc);
+          load_param<P, PACK>(a.bias, col, 0.f, bi);
+        }
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) out[k] = norm_out_as<T>(raw[r][v].template value<true>(k), st, sc[k], bi[k]);
+        store_values<T, PACK>(y + row * a.cols + col, out);
+      }
+      if (glane == 0 && a.rstd != nullptr) {
+        if (a.mean != nullptr) a.mean[row] = st.mean;
+        a.rstd[row] = st.rstd;
+      }
+    }
   }
 }
 

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Device calls of the twenty-eighth session (issue 20). Stages:
+# - dt: why the cuda LayerNorm forward runs bfloat16 slower than float16 on the H200 at
+#   2048-8192 columns: benchmarks/norm_dtype_probe.py (each dtype on its own normal
+#   values, on the other's bits, on constants), then ncu of the forward at 4096 in both;
+# - abw: the warp-tier forward's rows as 32-bit words (bfloat16), the previous build
+#   (.carry/_ffi_old.so.gz) against the carried one: fwd of the four ops at ABW_COLS in
+#   bf16 (49152 rows), LayerNorm / add_layer_norm at 2048 / 4096 in f16 (unchanged code),
+#   bwd of LayerNorm at 1024 / 2048 in both (does a bf16 gap remain there);
+# - tables: the H200 table's entries (cuda / pallas / xla), merged into
+#   jax_ops/tables/nvidia_h200.json, for each of TABLE_SPECS (DT:OPS:COLS, space
+#   separated; the default: bf16, the four ops at the table's widths), its log to
+#   tables_DT_N.txt;
+# - item1w: auto / cuda / flax, fwd / fwd_bwd / step, the four ops in bf16 at 2048 /
+#   3072 / 4096 (the widths the warp-tier change moved) and 32 / 256;
+# - san: memcheck / synccheck of the four ops in bfloat16 and float32 at 301 rows,
+#   SAN_COLS (33,257,1000,2049,3000,4096), racecheck of LayerNorm at 4096;
+# - tests: the norm tests (test_layer_norm, test_add_norm).
+# Usage: bash benchmarks/gpu_issue20_s28.sh stages
+set -uo pipefail
+source benchmarks/gpu_extension.sh
+STAGES=${1:-tests}
+source benchmarks/gpu_stages.sh
+if has dt; then
+  timeout 240 python3 benchmarks/norm_dtype_probe.py > "$OUT/dtype_probe.txt" 2>&1
+  grep -E "^cols" "$OUT/dtype_probe.txt" | tee -a "$LOG"; stage_done dtype_probe
+  timeout 200 ncu --clock-control none -k regex:fwd_block_regs_kernel -c 6 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__registers_per_thread,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read.sum \
+    python3 benchmarks/norm_dtype_ncu.py > "$OUT/dtype_ncu.txt" 2>&1
+  grep -E "fwd_block_regs|duration|bytes|throughput|inst_executed|registers|grid_size|block_size|warps_active|sectors|done" "$OUT/dtype_ncu.txt" | head -120 | tee -a "$LOG"
+  stage_done dtype_ncu
+fi
+abw_body() {
+  echo "== build $1"
+  timeout 150 python3 -m jax_ops.bench --repeats 3 --dtype bf16 --impl cuda --rows 49152 \
+    --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd --cols ${ABW_COLS:-32,64,256,1024,2048,3072,4096}
+  timeout 60 python3 -m jax_ops.bench --repeats 3 --dtype f16 --impl cuda --rows 49152 \
+    --op layer_norm,add_layer_norm --mode fwd --cols 2048,4096
+  for dt in bf16 f16; do
+    timeout 60 python3 -m jax_ops.bench --repeats 3 --dtype $dt --impl cuda --rows 49152 \
+      --op layer_norm --mode bwd --cols 1024,2048
+  done
+}
+has abw && ab_stage abw abw_body
+TABLE_SPECS=${TABLE_SPECS:-"bf16:layer_norm,rms_norm:32,64,128,256,512,768,1024,2048,4096,4352,8192,16384,20480,24576,32768 bf16:add_layer_norm,add_rms_norm:32,64,128,256,512,1024,2048,4096,8192,16384"}
+if has tables; then
+  n=0
+  for spec in $TABLE_SPECS; do
+    IFS=: read -r dt ops cols <<< "$spec"
+    n=$((n + 1))
+    TABLE=jax_ops/tables/nvidia_h200.json table_stage $dt $ops $cols
+    mv "$OUT/tables.txt" "$OUT/tables_${dt}_$n.txt"
+  done
+fi
+has item1w && SWEEP_TIMEOUT=300 sweep_stage sweep_item1_bf16 --dtype bf16 --rows 49152 \
+  --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd,fwd_bwd,step --cols 32,256,2048,3072,4096
+has san && DTYPES=float32,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 \
+  "${SAN_COLS:-33,257,1000,2049,3000,4096}" "${RACE_COLS:-4096}"
+has tests && norm_tests
+finish_call "log|env|tests|dtype_probe|dtype_ncu|abw|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize"
