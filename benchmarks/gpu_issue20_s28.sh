@@ -13,8 +13,14 @@
 #   tables_DT_N.txt;
 # - item1w: auto / cuda / flax, fwd / fwd_bwd / step, the four ops in bf16 at 2048 /
 #   3072 / 4096 (the widths the warp-tier change moved) and 32 / 256;
+# - bulk: the backward at 1536-3584 columns (block-regs tier) against the bulk tier there
+#   (knob JAX_OPS_NORM_BWD_BULK_MIN_COLS=1032), the four ops in bf16, LayerNorm / RMSNorm
+#   in f16, 49152 rows: the H200's LayerNorm backward at 2048 ran at 73 % of its 3X copy;
 # - san: memcheck / synccheck of the four ops in bfloat16 and float32 at 301 rows,
-#   SAN_COLS (33,257,1000,2049,3000,4096), racecheck of LayerNorm at 4096;
+#   SAN_COLS (33,257,1032,2056,3000,4096), racecheck of LayerNorm at RACE_COLS (2056);
+# - item1b: auto / cuda / flax after the bulk backward took 1025-4095 columns: fwd_bwd /
+#   step of the four ops in bf16 at 1536 / 2048 / 3072, LayerNorm / RMSNorm in f16 at
+#   2048 / 3072;
 # - tests: the norm tests (test_layer_norm, test_add_norm).
 # Usage: bash benchmarks/gpu_issue20_s28.sh stages
 set -uo pipefail
@@ -54,7 +60,15 @@ if has tables; then
 fi
 has item1w && SWEEP_TIMEOUT=300 sweep_stage sweep_item1_bf16 --dtype bf16 --rows 49152 \
   --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd,fwd_bwd,step --cols 32,256,2048,3072,4096
+has bulk && cfg_sweep bulk "default BWD_BULK_MIN_COLS=1032" "bf16" --rows 49152 \
+  --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode bwd --cols 1536,2048,2560,3072,3584
+has bulk && cfg_sweep bulk_f16 "default BWD_BULK_MIN_COLS=1032" "f16" --rows 49152 \
+  --op layer_norm,rms_norm --mode bwd --cols 2048,3072
 has san && DTYPES=float32,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln norm_sanitize 301 \
-  "${SAN_COLS:-33,257,1000,2049,3000,4096}" "${RACE_COLS:-4096}"
+  "${SAN_COLS:-33,257,1032,2056,3000,4096}" "${RACE_COLS:-2056}"
+has item1b && SWEEP_TIMEOUT=200 sweep_stage sweep_item1b_bf16 --dtype bf16 --rows 49152 \
+  --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd_bwd,step --cols 1536,2048,3072
+has item1b && SWEEP_TIMEOUT=100 sweep_stage sweep_item1b_f16 --dtype f16 --rows 49152 \
+  --op layer_norm,rms_norm --mode fwd_bwd,step --cols 2048,3072
 has tests && norm_tests
-finish_call "log|env|tests|dtype_probe|dtype_ncu|abw|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize"
+finish_call "log|env|tests|dtype_probe|dtype_ncu|abw|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize|bulk|bulk_f16"

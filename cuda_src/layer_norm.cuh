@@ -1567,7 +1567,7 @@ __global__ void __launch_bounds__(1024) bwd_cluster_smem_kernel(typename S::Args
 constexpr int kBulkBarrierBytes = 128;  // room for 16 mbarriers, one a stage
 constexpr int kBwdBulkMaxThreads = 512;
 constexpr int kBwdBulkPairThreads = 576;
-constexpr int kBwdBulkMinCols = 4096;
+constexpr int kBwdBulkMinCols = kRegsMaxCols + 1;  // every 16-bit row of the block tiers
 template <typename T, typename P, int PACK, int K, typename S, bool WIDE = false, int WIDE_BLOCKS = 1>
 __global__ void __launch_bounds__(WIDE ? (WIDE_BLOCKS == 2 ? kBwdBulkPairThreads : 1024) : kBwdBulkMaxThreads,
                                   WIDE ? WIDE_BLOCKS : (K == 1 ? 2 : 1))
@@ -2450,8 +2450,10 @@ cudaError_t launch_bwd_block_regs(const BwdAddArgs& a, cudaStream_t stream, int6
     if constexpr (K * 2 * PACK <= 8) return launch_bwd_block_regs<T, P, PACK, S, K * 2>(a, stream, plan);
     else return cudaErrorInvalidValue;
   } else {
-    // 16-bit rows from 4096 columns: measured faster there (H100: 8192 columns 1.10x,
-    // 4096 1.02-1.04x), 2-3 % slower at 2048 and with float32 rows at 4096.
+    // 16-bit rows: 1.02-1.33x faster than the register kernel at 1536-3584 columns
+    // (H200, the four ops, bf16 and f16; docs/perf-notes.md), H100 8192 1.10x, 4096
+    // 1.02-1.04x (an older bulk kernel ran 2-3 % slower there at 2048); not float32 rows
+    // (slower at 4096).
     if constexpr (sizeof(T) == 2 && PACK == 8) {
       static const int bulk_min_cols = env_knob("JAX_OPS_NORM_BWD_BULK_MIN_COLS", kBwdBulkMinCols);
       cudaError_t err = cudaSuccess;

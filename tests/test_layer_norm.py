@@ -354,12 +354,15 @@ def test_matches_reference(case, impl):
 # 132 at 8192; 6000 columns: a block's second run of packs is partial). The forward's
 # block tier merges its statistics without division where every thread holds K packs:
 # 6144 bf16 and 12288 float32 columns are such rows over 6 and 24 warps (warp 0's merge
-# then is the general one), 8192 and 16384 over a power of two.
+# then is the general one), 8192 and 16384 over a power of two. 1032-4096 columns: the
+# bulk backward's one-pack blocks from 129 packs, and the warp-tier forward's bfloat16 rows
+# as 32-bit words (3000: the last lane's packs past the row).
 MANY_LONG_ROWS = [((300, 8200), "bfloat16"), ((263, 16384), "bfloat16"), ((97, 24577), "float32"),
                   ((70, 32768), "float16"), ((40, 65536), "bfloat16"), ((33, 70000), "float32"),
                   ((2501, 4096), "float16"), ((1701, 6000), "bfloat16"), ((1201, 8192), "bfloat16"),
                   ((1601, 16384), "bfloat16"), ((801, 16384), "float32"), ((300, 6144), "bfloat16"),
-                  ((120, 12288), "float32")]
+                  ((120, 12288), "float32"), ((1501, 1032), "bfloat16"), ((3001, 2056), "float16"),
+                  ((2001, 3000), "bfloat16"), ((4001, 4096), "bfloat16")]
 # Narrow rows: the group tier's register kernel over many tiles, and on sm_90 float32 rows
 # of 256+ columns staged by chunks of consecutive rows (bwd_rows_bulk_kernel): more chunks
 # than an H100's resident blocks times the stages (every stage is refilled and its
