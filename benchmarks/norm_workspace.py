@@ -1,9 +1,11 @@
 """Temporary memory of a lone norm's jitted forward + backward (vjp with a given dy):
 jax_ops (cuda) against flax.linen's LayerNorm / RMSNorm under JAX autodiff, from
 compiled.memory_analysis() (compile only, nothing runs), and the CUDA backward's
-workspace rows on this GPU (issue 20, item 4). Prints a table; --json PATH writes it."""
+workspace rows on this GPU (issue 20, item 4). Prints a table; --json PATH writes it.
+Environment: WS_SHAPES (ROWSxCOLS,...) replaces the shapes."""
 import argparse
 import json
+import os
 
 import flax.linen as nn
 import jax
@@ -15,6 +17,8 @@ from jax_ops import _extension
 SHAPES = [(8192, 4096), (8192, 4352), (49152, 32), (49152, 128), (49152, 768), (49152, 1024), (49152, 4096),
           (49152, 4352), (49152, 8192), (2048, 16384), (16384, 16384), (8192, 32768), (512, 65536),
           (4096, 65536)]
+if os.environ.get("WS_SHAPES"):
+    SHAPES = [tuple(int(d) for d in s.split("x")) for s in os.environ["WS_SHAPES"].split(",")]
 MiB = 1 << 20
 
 
