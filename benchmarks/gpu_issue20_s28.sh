@@ -21,6 +21,8 @@
 # - item1b: auto / cuda / flax after the bulk backward took 1025-4095 columns: fwd_bwd /
 #   step of the four ops in bf16 at 1536 / 2048 / 3072, LayerNorm / RMSNorm in f16 at
 #   2048 / 3072;
+# - addf16: float16 add+norm's forward at 1536 / 2048 columns in the warp tier (default)
+#   against the block tier (knob JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES=2048), bf16 at 2048;
 # - ws: item 4 at the widths the bulk backward took (WS_SHAPES), bf16 and f16;
 # - tests: the norm tests (test_layer_norm, test_add_norm).
 # Usage: bash benchmarks/gpu_issue20_s28.sh stages
@@ -71,10 +73,14 @@ has item1b && SWEEP_TIMEOUT=200 sweep_stage sweep_item1b_bf16 --dtype bf16 --row
   --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd_bwd,step --cols 1536,2048,3072
 has item1b && SWEEP_TIMEOUT=100 sweep_stage sweep_item1b_f16 --dtype f16 --rows 49152 \
   --op layer_norm,rms_norm --mode fwd_bwd,step --cols 2048,3072
+has addf16 && cfg_sweep addf16 "default FWD_ADD_REGS_MAX_BYTES=2048" "f16" --rows 49152 \
+  --op add_layer_norm,add_rms_norm --mode fwd --cols 1536,2048
+has addf16 && cfg_sweep addbf16 "default FWD_ADD_REGS_MAX_BYTES=2048" "bf16" --rows 49152 \
+  --op add_layer_norm,add_rms_norm --mode fwd --cols 2048
 if has ws; then
   export WS_SHAPES=${WS_SHAPES:-49152x1536,49152x2048,49152x3072,8192x2048,8192x3072,2048x2048}
   WS_DTYPE=bfloat16 workspace_stage workspace_bf16
   WS_DTYPE=float16 workspace_stage workspace_f16
 fi
 has tests && norm_tests
-finish_call "log|env|tests|dtype_probe|dtype_ncu|abw|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize|bulk|bulk_f16|workspace_bf16|workspace_f16"
+finish_call "log|env|tests|dtype_probe|dtype_ncu|abw|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize|bulk|bulk_f16|workspace_bf16|workspace_f16|addf16|addbf16"
