@@ -33,10 +33,10 @@ source benchmarks/gpu_stages.sh
 if has dt; then
   timeout 240 python3 benchmarks/norm_dtype_probe.py > "$OUT/dtype_probe.txt" 2>&1
   grep -E "^cols" "$OUT/dtype_probe.txt" | tee -a "$LOG"; stage_done dtype_probe
-  timeout 200 ncu --clock-control none -k regex:fwd_block_regs_kernel -c 6 \
+  timeout 200 ncu --clock-control none -k regex:"fwd_(block_)?regs_kernel" -c 6 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,launch__registers_per_thread,launch__grid_size,launch__block_size,sm__warps_active.avg.pct_of_peak_sustained_active,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read.sum \
     python3 benchmarks/norm_dtype_ncu.py > "$OUT/dtype_ncu.txt" 2>&1
-  grep -E "fwd_block_regs|duration|bytes|throughput|inst_executed|registers|grid_size|block_size|warps_active|sectors|done" "$OUT/dtype_ncu.txt" | head -120 | tee -a "$LOG"
+  grep -E "fwd_(block_)?regs|duration|bytes|throughput|inst_executed|registers|grid_size|block_size|warps_active|sectors|done" "$OUT/dtype_ncu.txt" | head -120 | tee -a "$LOG"
   stage_done dtype_ncu
 fi
 abw_body() {
