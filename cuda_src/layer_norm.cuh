@@ -1006,10 +1006,9 @@ __device__ __forceinline__ void group_scale(const BwdArgs& a, int glane, float (
 // takes part in the shuffles, a row past the end (valid false) adds zeros. scale_of(v, s)
 // gives pack v's scale values (from registers, or loaded where used); with AHEAD, the
 // store takes what was loaded with the row (add+norm's dh).
-template <typename T, int PACK, int VPT, int WIDTH, bool AHEAD, typename S, typename ScaleOf>
+template <typename T, int PACK, int VPT, int WIDTH, bool AHEAD, typename S, typename ScaleOf, typename RowT>
 __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, int64_t row, bool valid, int glane,
-                                              float mean, float rstd, const Pack<T, PACK> (&rx)[VPT],
-                                              const Pack<T, PACK> (&rd)[VPT],
+                                              float mean, float rstd, const RowT (&rx)[VPT], const RowT (&rd)[VPT],
                                               const typename S::template Ahead<PACK> (&ahead)[VPT],
                                               const ScaleOf& scale_of, float (&ds)[VPT * PACK],
                                               float (&db)[VPT * PACK]) {
@@ -1029,7 +1028,8 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 #pragma unroll
     for (int k = 0; k < PACK; ++k) {
       const int i = v * PACK + k;
-      const float d = to_float(rd[v].v[k]), xhv = norm_xhat<T>(to_float(rx[v].v[k]), mean, rstd), gv = d * sc[k];
+      const float d = rd[v].template value<false>(k), xhv = norm_xhat<T>(rx[v].template value<false>(k), mean, rstd),
+                  gv = d * sc[k];
       sum_g += gv;
       sum_gx += gv * xhv;
       if constexpr (KEEP) {
@@ -1056,7 +1056,7 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
       if constexpr (KEEP) {
         out[k] = norm_dx_of<S::kRms>(g[i], xh[i], rstd, mg, mgx);
       } else {
-        const float d = to_float(rd[v].v[k]), xhv = norm_xhat<T>(to_float(rx[v].v[k]), mean, rstd);
+        const float d = rd[v].template value<true>(k), xhv = norm_xhat<T>(rx[v].template value<true>(k), mean, rstd);
         out[k] = norm_dx_of<S::kRms>(d * sc[k], xhv, rstd, mg, mgx);
         ds[i] += d * xhv;
         db[i] += d;
@@ -1108,9 +1108,12 @@ __global__ void __launch_bounds__(THREADS,
     }
   };
   // A tile's rows of the group: x and dy in their storage type (half the registers of
-  // float), add+norm's dh (AHEAD), the row statistics; nothing past the last row.
+  // float; bfloat16 as 32-bit words, see fwd_regs_kernel), add+norm's dh (AHEAD), the
+  // row statistics; nothing past the last row.
+  constexpr bool kWords = std::is_same_v<T, bf16_t>;
+  using RowT = std::conditional_t<kWords, RowWords<T, PACK>, RowPack<T, PACK>>;
   struct Tile {
-    PackT rx[ROWS][VPT], rd[ROWS][VPT];
+    RowT rx[ROWS][VPT], rd[ROWS][VPT];
     AheadT ahead[ROWS][VPT];
     float mean[ROWS], rstd[ROWS];
   };
@@ -1125,8 +1128,13 @@ __global__ void __launch_bounds__(THREADS,
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (valid && col < a.cols) {
-          t.rx[r][v] = *reinterpret_cast<const PackT*>(x + row * a.cols + col);
-          t.rd[r][v] = *reinterpret_cast<const PackT*>(dy + row * a.cols + col);
+          if constexpr (kWords) {
+            t.rx[r][v].load(x + row * a.cols + col);
+            t.rd[r][v].load(dy + row * a.cols + col);
+          } else {
+            t.rx[r][v].set(*reinterpret_cast<const PackT*>(x + row * a.cols + col));
+            t.rd[r][v].set(*reinterpret_cast<const PackT*>(dy + row * a.cols + col));
+          }
           if (AHEAD) t.ahead[r][v] = store.template load_ahead<PACK>(row * a.cols + col);
         }
       }
@@ -1726,14 +1734,14 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_rows_bulk_kernel(typename S:
       const int r = j * GROUPS + group;
       const int64_t row = c * CHUNK + r;
       const bool valid = row < a.rows;
-      PackT rx[VPT], rd[VPT];
+      RowPack<T, PACK> rx[VPT], rd[VPT];
       typename S::template Ahead<PACK> ahead[VPT];
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
         const int64_t col = int64_t(v * WIDTH + glane) * PACK;
         if (valid && col < a.cols) {
-          rx[v] = *reinterpret_cast<const PackT*>(xs + r * a.cols + col);
-          rd[v] = *reinterpret_cast<const PackT*>(dys + r * a.cols + col);
+          rx[v].set(*reinterpret_cast<const PackT*>(xs + r * a.cols + col));
+          rd[v].set(*reinterpret_cast<const PackT*>(dys + r * a.cols + col));
         }
       }
       bwd_group_row<T, PACK, VPT, WIDTH, false>(a, store, row, valid, glane, mean[j], rstd[j], rx, rd, ahead, scale_of,
