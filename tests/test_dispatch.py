@@ -308,6 +308,27 @@ def test_table_estimates_a_padding_kernel_from_the_width_of_its_tile(monkeypatch
     assert pick(4352)[0] == "pallas"
 
 
+def test_table_tie_goes_to_the_hand_kernels(monkeypatch):
+    # H200 add_rms_norm bf16 training forward at 256 columns: pallas 27.74 against cuda
+    # 27.82 us (0.3 %, within an entry's spread) is a tie, and cuda takes it; at 1 % pallas
+    # keeps its lead, and without cuda among the candidates the fastest is taken as before.
+    table = _table("NVIDIA H200", [
+        _entry("add_rms_norm", "fwd_stats", "bfloat16", 49152, 256, cuda=27.824, pallas=27.739),
+        _entry("add_rms_norm", "fwd_stats", "bfloat16", 49152, 512, cuda=52.9, pallas=52.363, xla=52.4),
+    ])
+    monkeypatch.setattr(dispatch, "_tables", lambda: (table,))
+    impls = {i.name: i for i in registry.all_of("add_rms_norm")}
+
+    def pick(cols, names=("xla", "cuda", "pallas")):
+        q = Query("add_rms_norm", "fwd", "cuda", (49152, cols), "bfloat16", "NVIDIA H200", "stats")
+        return dispatch._from_table(q, {n: impls[n] for n in names})
+
+    name, reason = pick(256)
+    assert name == "cuda" and "pallas 27.7us, cuda 27.8us (within 0.5% of pallas: a tie, cuda taken)" in reason
+    assert pick(512)[0] == "pallas"
+    assert pick(256, names=("xla", "pallas"))[0] == "pallas"
+
+
 def test_table_of_same_generation_serves_an_op_this_gpu_was_not_measured_for(monkeypatch):
     h200 = _table("NVIDIA H200", [_entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=10.0, cuda=8.0, pallas=9.0)])
     h100 = dict(_table("NVIDIA H100 80GB HBM3", [
