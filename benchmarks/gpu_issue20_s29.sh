@@ -11,7 +11,11 @@
 # - tables: the H200 table's entries (cuda / pallas / xla) for each of TABLE_SPECS
 #   (DT:OPS:COLS, space separated), merged into jax_ops/tables/nvidia_h200.json;
 # - item1: auto / cuda / flax, fwd_bwd / step of the four ops in bf16 at 128-1024, fwd /
-#   fwd_bwd of f16 add+norm at 1536 / 2048.
+#   fwd_bwd of f16 add+norm at 1536 / 2048;
+# - addw: float16 add+norm's h = x + residual as f16x2 adds (the sums two a register):
+#   its forward at 1024-2048 columns in the block tier from 2 KiB rows (default) against
+#   the warp tier to 4 KiB (knob JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES=4096), at 256 / 512 /
+#   4096, then the add+norm tests.
 # Usage: bash benchmarks/gpu_issue20_s29.sh stages
 set -uo pipefail
 source benchmarks/gpu_extension.sh
@@ -48,4 +52,13 @@ has item1 && SWEEP_TIMEOUT=250 sweep_stage sweep_item1_bf16 --dtype bf16 --rows 
   --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd_bwd,step --cols 128,256,512,1024
 has item1 && SWEEP_TIMEOUT=100 sweep_stage sweep_item1_f16 --dtype f16 --rows 49152 \
   --op add_layer_norm,add_rms_norm --mode fwd,fwd_bwd --cols 1536,2048
-finish_call "log|env|tests|abb|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize"
+if has addw; then
+  cfg_sweep addw "default FWD_ADD_REGS_MAX_BYTES=4096" "f16" --rows 49152 \
+    --op add_layer_norm,add_rms_norm --mode fwd --cols 1024,1536,2048
+  timeout 60 python3 -m jax_ops.bench --repeats 3 --dtype f16 --impl cuda --rows 49152 \
+    --op add_layer_norm,add_rms_norm --mode fwd,fwd_bwd --cols 256,512,4096 > "$OUT/addw_more.txt" 2>&1
+  grep -E "^[a-z_]+ (fwd|fwd_bwd) " "$OUT/addw_more.txt" | tee -a "$LOG"; stage_done addw_more
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_add_norm.py > "$OUT/tests.txt" 2>&1
+  tail -2 "$OUT/tests.txt" | tee -a "$LOG"; stage_done tests_add_norm
+fi
+finish_call "log|env|tests|abb|addw|addw_more|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize"

@@ -415,6 +415,29 @@ struct LoadX {
   }
 };
 
+// add_rounded of a Pack. float16 pairs add as f16x2 (HADD2): the same values, as the
+// float sum rounds to them exactly as the correctly rounded sum does (norm_math.h), and
+// the sums stay two a register: the warp-tier forward at 2048 columns kept them one a
+// register, 102 registers against bfloat16's 70 (now 70; docs/perf-notes.md).
+template <typename T, int PACK>
+__device__ __forceinline__ Pack<T, PACK> add_packs_rounded(const Pack<T, PACK>& x, const Pack<T, PACK>& r) {
+  Pack<T, PACK> out;
+  if constexpr (std::is_same_v<T, f16_t> && PACK % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < PACK; k += 2) {
+      __half2 a, b;
+      memcpy(&a, &x.v[k], 4);
+      memcpy(&b, &r.v[k], 4);
+      const __half2 c = __hadd2_rn(a, b);
+      memcpy(&out.v[k], &c, 4);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(x.v[k], r.v[k]);
+  }
+  return out;
+}
+
 // add+norm: h = x + residual rounded to T, written to the h output as it is read;
 // the kernels then normalize h (its statistics are those of the rounded values).
 template <typename T>
@@ -427,10 +450,9 @@ struct LoadAdd {
       : x(static_cast<const T*>(a.x)), residual(static_cast<const T*>(a.residual)), h(static_cast<T*>(a.h)) {}
   template <int PACK>
   __device__ __forceinline__ void operator()(int64_t i, Pack<T, PACK>& out) const {
-    const Pack<T, PACK> px = *reinterpret_cast<const Pack<T, PACK>*>(x + i);
+    const Pack<T, PACK> px = *reinterpret_cast<const Pack<T, PACK>*>(x + i);  // whole-pack loads
     const Pack<T, PACK> pr = *reinterpret_cast<const Pack<T, PACK>*>(residual + i);
-#pragma unroll
-    for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(px.v[k], pr.v[k]);
+    out = add_packs_rounded(px, pr);
     *reinterpret_cast<Pack<T, PACK>*>(h + i) = out;
   }
   template <int PACK>
@@ -440,8 +462,7 @@ struct LoadAdd {
     Pack<T, PACK>* h;
     __device__ __forceinline__ void operator()(int64_t v, Pack<T, PACK>& out) const {
       const Pack<T, PACK> px = x[v], pr = residual[v];
-#pragma unroll
-      for (int k = 0; k < PACK; ++k) out.v[k] = add_rounded(px.v[k], pr.v[k]);
+      out = add_packs_rounded(px, pr);
       h[v] = out;
     }
     // The second pass re-reads h, which this very thread wrote in the first.
@@ -579,10 +600,19 @@ struct RowWords {
     xw.load(x);
     rw.load(residual);
 #pragma unroll
-    for (int i = 0; i < kWords; ++i)
-      w[i] = uint32_t(from_float<T>(xw.template value<false>(2 * i) + rw.template value<false>(2 * i)).bits) |
-             (uint32_t(from_float<T>(xw.template value<false>(2 * i + 1) + rw.template value<false>(2 * i + 1)).bits)
-              << 16);
+    for (int i = 0; i < kWords; ++i) {
+      if constexpr (std::is_same_v<T, f16_t>) {  // f16x2: see add_packs_rounded
+        __half2 a, b;
+        memcpy(&a, &xw.w[i], 4);
+        memcpy(&b, &rw.w[i], 4);
+        const __half2 c = __hadd2_rn(a, b);
+        memcpy(&w[i], &c, 4);
+      } else {
+        w[i] = uint32_t(from_float<T>(xw.template value<false>(2 * i) + rw.template value<false>(2 * i)).bits) |
+               (uint32_t(from_float<T>(xw.template value<false>(2 * i + 1) + rw.template value<false>(2 * i + 1)).bits)
+                << 16);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kWords; i += 4)
       reinterpret_cast<uint4*>(h)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
