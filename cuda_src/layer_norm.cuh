@@ -2155,11 +2155,10 @@ template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
   // With a residual, rows over 4 KiB go to the block tier: the warp tier's 8 KiB rows
   // (x and residual loads in flight, 172 registers, 8 warps an SM) measured 70 % of
-  // copy. float16 rows, held as Packs (RowPack) rather than words, go there from 2 KiB:
-  // 1.05-1.11x faster at 1536 / 2048 columns on the H200 (knob
-  // JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES, bytes of a row).
-  static const int add_regs_max_bytes = env_knob(
-      "JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES", kFwdRegsMaxBytes / (std::is_same_v<T, f16_t> ? 4 : 2));
+  // copy (knob JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES, bytes of a row). float16 as well
+  // since its sums stay two a register (add_packs_rounded): at 1536 / 2048 columns the
+  // warp tier is 1.04-1.13x faster than the block tier on the H200.
+  static const int add_regs_max_bytes = env_knob("JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES", kFwdRegsMaxBytes / 2);
   const int64_t regs_max_cols = std::is_base_of_v<LoadAdd<T>, L>
       ? std::min<int64_t>(fwd_regs_max_cols<T, PACK>(), add_regs_max_bytes / int64_t(sizeof(T)))
       : fwd_regs_max_cols<T, PACK>();
