@@ -52,15 +52,7 @@ abw_body() {
 }
 has abw && ab_stage abw abw_body
 TABLE_SPECS=${TABLE_SPECS:-"bf16:layer_norm,rms_norm:32,64,128,256,512,768,1024,2048,4096,4352,8192,16384,20480,24576,32768 bf16:add_layer_norm,add_rms_norm:32,64,128,256,512,1024,2048,4096,8192,16384"}
-if has tables; then
-  n=0
-  for spec in $TABLE_SPECS; do
-    IFS=: read -r dt ops cols <<< "$spec"
-    n=$((n + 1))
-    TABLE=jax_ops/tables/nvidia_h200.json table_stage $dt $ops $cols
-    mv "$OUT/tables.txt" "$OUT/tables_${dt}_$n.txt"
-  done
-fi
+has tables && table_specs "$TABLE_SPECS"
 has item1w && SWEEP_TIMEOUT=300 sweep_stage sweep_item1_bf16 --dtype bf16 --rows 49152 \
   --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd,fwd_bwd,step --cols 32,256,2048,3072,4096
 has bulk && cfg_sweep bulk "default BWD_BULK_MIN_COLS=1032" "bf16" --rows 49152 \

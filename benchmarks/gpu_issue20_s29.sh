@@ -39,15 +39,7 @@ has san && DTYPES=float32,bfloat16 SAN_OPS=ln,rms,add_ln,add_rms RACE_OPS=ln nor
   "${SAN_COLS:-33,257,520,1000}" "${RACE_COLS:-1000}"
 has tests && norm_tests
 TABLE_SPECS=${TABLE_SPECS:-"bf16:layer_norm,rms_norm,add_layer_norm,add_rms_norm:32,64,128,256,512,768,1024 f16:add_layer_norm,add_rms_norm:1024,1536,2048,4096"}
-if has tables; then
-  n=0
-  for spec in $TABLE_SPECS; do
-    IFS=: read -r dt ops cols <<< "$spec"
-    n=$((n + 1))
-    TABLE=jax_ops/tables/nvidia_h200.json table_stage $dt $ops $cols
-    mv "$OUT/tables.txt" "$OUT/tables_${dt}_$n.txt"
-  done
-fi
+has tables && table_specs "$TABLE_SPECS"
 has item1 && SWEEP_TIMEOUT=250 sweep_stage sweep_item1_bf16 --dtype bf16 --rows 49152 \
   --op layer_norm,rms_norm,add_layer_norm,add_rms_norm --mode fwd_bwd,step --cols 128,256,512,1024
 has item1 && SWEEP_TIMEOUT=100 sweep_stage sweep_item1_f16 --dtype f16 --rows 49152 \

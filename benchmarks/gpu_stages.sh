@@ -105,6 +105,17 @@ table_stage() {
   done
   stage_done "tables_$1"
 }
+# table_stage for each DT:OPS:COLS of SPECS (space separated) into the H200's table, each
+# one's log to $OUT/tables_DT_N.txt: table_specs "SPECS"
+table_specs() {
+  local n=0 spec dt ops cols
+  for spec in $1; do
+    IFS=: read -r dt ops cols <<< "$spec"
+    n=$((n + 1))
+    TABLE=jax_ops/tables/nvidia_h200.json table_stage $dt $ops $cols
+    mv "$OUT/tables.txt" "$OUT/tables_${dt}_$n.txt"
+  done
+}
 # envs=(...): the environment assignments of a configuration CFG (a comma list of
 # name=value, each name without PREFIX; "default" for none): knob_envs PREFIX CFG
 knob_envs() {
