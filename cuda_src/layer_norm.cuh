@@ -415,20 +415,32 @@ struct LoadX {
   }
 };
 
-// add_rounded of a Pack. float16 pairs add as f16x2 (HADD2): the same values, as the
-// float sum rounds to them exactly as the correctly rounded sum does (norm_math.h), and
-// the sums stay two a register: the warp-tier forward at 2048 columns kept them one a
-// register, 102 registers against bfloat16's 70 (now 70; docs/perf-notes.md).
+// Two float16 sums in one f16x2 add (HADD2): the values of add_rounded, as the float sum
+// rounds to them exactly as the correctly rounded sum does (norm_math.h), and the sums
+// stay two a register: as add_rounded's structs the warp-tier forward at 2048 columns kept
+// them one a register, 102 registers against bfloat16's 70 (now 70; docs/perf-notes.md).
+__device__ __forceinline__ uint32_t add_rounded_f16x2(uint32_t x, uint32_t r) {
+  __half2 a, b;
+  memcpy(&a, &x, 4);
+  memcpy(&b, &r, 4);
+  const __half2 c = __hadd2_rn(a, b);
+  uint32_t out;
+  memcpy(&out, &c, 4);
+  return out;
+}
+
+// add_rounded of a Pack (float16 pairs as f16x2). The caller loads the Packs whole: read
+// through references into memory here, each 16-byte load became 16-bit loads.
 template <typename T, int PACK>
 __device__ __forceinline__ Pack<T, PACK> add_packs_rounded(const Pack<T, PACK>& x, const Pack<T, PACK>& r) {
   Pack<T, PACK> out;
   if constexpr (std::is_same_v<T, f16_t> && PACK % 2 == 0) {
 #pragma unroll
     for (int k = 0; k < PACK; k += 2) {
-      __half2 a, b;
+      uint32_t a, b;
       memcpy(&a, &x.v[k], 4);
       memcpy(&b, &r.v[k], 4);
-      const __half2 c = __hadd2_rn(a, b);
+      const uint32_t c = add_rounded_f16x2(a, b);
       memcpy(&out.v[k], &c, 4);
     }
   } else {
@@ -450,7 +462,7 @@ struct LoadAdd {
       : x(static_cast<const T*>(a.x)), residual(static_cast<const T*>(a.residual)), h(static_cast<T*>(a.h)) {}
   template <int PACK>
   __device__ __forceinline__ void operator()(int64_t i, Pack<T, PACK>& out) const {
-    const Pack<T, PACK> px = *reinterpret_cast<const Pack<T, PACK>*>(x + i);  // whole-pack loads
+    const Pack<T, PACK> px = *reinterpret_cast<const Pack<T, PACK>*>(x + i);
     const Pack<T, PACK> pr = *reinterpret_cast<const Pack<T, PACK>*>(residual + i);
     out = add_packs_rounded(px, pr);
     *reinterpret_cast<Pack<T, PACK>*>(h + i) = out;
@@ -601,12 +613,8 @@ struct RowWords {
     rw.load(residual);
 #pragma unroll
     for (int i = 0; i < kWords; ++i) {
-      if constexpr (std::is_same_v<T, f16_t>) {  // f16x2: see add_packs_rounded
-        __half2 a, b;
-        memcpy(&a, &xw.w[i], 4);
-        memcpy(&b, &rw.w[i], 4);
-        const __half2 c = __hadd2_rn(a, b);
-        memcpy(&w[i], &c, 4);
+      if constexpr (std::is_same_v<T, f16_t>) {
+        w[i] = add_rounded_f16x2(xw.w[i], rw.w[i]);
       } else {
         w[i] = uint32_t(from_float<T>(xw.template value<false>(2 * i) + rw.template value<false>(2 * i)).bits) |
                (uint32_t(from_float<T>(xw.template value<false>(2 * i + 1) + rw.template value<false>(2 * i + 1)).bits)
