@@ -8,8 +8,8 @@
 # - san: memcheck / synccheck of the four ops in bfloat16 and float32 at 301 rows,
 #   SAN_COLS (33,257,520,1000: the warp-tier backward), racecheck of LayerNorm at RACE_COLS;
 # - tests: the norm tests (test_layer_norm, test_add_norm);
-# - tables: the H200 table's entries (cuda / pallas / xla) for each of TABLE_SPECS
-#   (DT:OPS:COLS, space separated), merged into jax_ops/tables/nvidia_h200.json;
+# - tables: this GPU's table entries (cuda / pallas / xla) for each of TABLE_SPECS
+#   (DT:OPS:COLS, space separated), merged into jax_ops/tables/<gpu>.json;
 # - item1: auto / cuda / flax, fwd_bwd / step of the four ops in bf16 at 128-1024, fwd /
 #   fwd_bwd of f16 add+norm at 1536 / 2048;
 # - addw: float16 add+norm's h = x + residual as f16x2 adds (the sums two a register):

@@ -105,14 +105,16 @@ table_stage() {
   done
   stage_done "tables_$1"
 }
-# table_stage for each DT:OPS:COLS of SPECS (space separated) into the H200's table, each
-# one's log to $OUT/tables_DT_N.txt: table_specs "SPECS"
+# table_stage for each DT:OPS:COLS of SPECS (space separated) into this GPU's table
+# (jax_ops/tables/<name, lower case, spaces as _>.json, e.g. nvidia_h200.json), each one's
+# log to $OUT/tables_DT_N.txt: table_specs "SPECS"
 table_specs() {
-  local n=0 spec dt ops cols
+  local n=0 spec dt ops cols table
+  table=jax_ops/tables/$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z ' 'a-z_').json
   for spec in $1; do
     IFS=: read -r dt ops cols <<< "$spec"
     n=$((n + 1))
-    TABLE=jax_ops/tables/nvidia_h200.json table_stage $dt $ops $cols
+    TABLE=$table table_stage $dt $ops $cols
     mv "$OUT/tables.txt" "$OUT/tables_${dt}_$n.txt"
   done
 }
