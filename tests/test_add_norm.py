@@ -206,6 +206,43 @@ def test_matches_plain_norm_of_the_sum(op, impl):
         np.testing.assert_allclose(f64(y), f64(want), rtol=1e-2, atol=1e-2)
 
 
+# Sums at the ends of each 16-bit format: halfway cases (round to even), float16's
+# subnormal sums (normal in float32), overflow to infinity, cancellation to +0 (x,
+# residual, as exact values of the dtype).
+ROUNDING_PAIRS = {
+    "float16": [(1.0, 2.0 ** -11), (1 + 2.0 ** -10, 2.0 ** -11), (-1 - 2.0 ** -10, -2.0 ** -11),
+                (2.0 ** -24, 2.0 ** -24), (2.0 ** -14 - 2.0 ** -24, 2.0 ** -24), (2.0 ** -24, -2.0 ** -23),
+                (65504.0, 16.0), (65504.0, 8.0), (-65504.0, -32.0), (3.5, -3.5), (1000.0, 0.25)],
+    "bfloat16": [(1.0, 2.0 ** -8), (1 + 2.0 ** -7, 2.0 ** -8), (-1 - 2.0 ** -7, -2.0 ** -8),
+                 (2.0 ** -126, 2.0 ** -126), (3.3895313892515355e38, 3.3895313892515355e38),
+                 (3.3895313892515355e38, 2.0 ** 119), (3.5, -3.5), (256.0, 0.5)],
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cols", [16, 2048, 4104])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_h_rounds_like_jnp_at_the_ends_of_the_format(dtype, cols, impl):
+    """h = x + residual bitwise at ties, subnormals, overflow and cancellation: the cuda
+    kernels add float16 pairs as f16x2 (one rounding) and the rest in float then round;
+    the widths reach the narrow, warp and block tiers (float16 4104: past 4 KiB)."""
+    need(impl)
+    rng = np.random.default_rng(seed_of(f"ends{dtype}{cols}"))
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    r = rng.standard_normal((3, cols)).astype(np.float32)
+    pairs = np.asarray(ROUNDING_PAIRS[dtype], np.float32)
+    for row in range(3):  # each row the pairs at another offset, the rest random
+        at = (row * 5) % max(cols - len(pairs), 1)
+        n = min(len(pairs), cols)
+        x[row, at:at + n], r[row, at:at + n] = pairs[:n, 0], pairs[:n, 1]
+    x, r = jnp.asarray(x, dtype), jnp.asarray(r, dtype)
+    assert np.array_equal(f64(x[0, :min(len(pairs), cols)]), pairs[:cols, 0])  # exact in dtype
+    for op in OPS:
+        _, h = jax.jit(lambda a, b, op=op: add_norm(op, a, b, impl=impl))(x, r)
+        assert bitwise_equal(h, x + r), f"{op}: h differs from x + residual"
+    assert np.isinf(f64(x + r)).any()  # the overflow pairs were in the rows
+
+
 # ------------------------------------------------------------------- edges ---
 
 @pytest.mark.parametrize("impl", IMPLS)
