@@ -50,7 +50,6 @@ if has addw; then
   timeout 60 python3 -m jax_ops.bench --repeats 3 --dtype f16 --impl cuda --rows 49152 \
     --op add_layer_norm,add_rms_norm --mode fwd,fwd_bwd --cols 256,512,4096 > "$OUT/addw_more.txt" 2>&1
   grep -E "^[a-z_]+ (fwd|fwd_bwd) " "$OUT/addw_more.txt" | tee -a "$LOG"; stage_done addw_more
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_add_norm.py > "$OUT/tests.txt" 2>&1
-  tail -2 "$OUT/tests.txt" | tee -a "$LOG"; stage_done tests_add_norm
+  TEST_TIMEOUT=${TEST_TIMEOUT:-150} norm_tests tests/test_add_norm.py
 fi
 finish_call "log|env|tests|abb|addw|addw_more|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize"

@@ -5,10 +5,12 @@ t0=$SECONDS
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 # "NAME: seconds since the start", to the log.
 stage_done() { echo "$1: $((SECONDS - t0)) s" | tee -a "$LOG"; }
-# The LayerNorm/RMSNorm and add+norm test files, 8 workers.
+# The LayerNorm/RMSNorm and add+norm test files (or the FILES given), 8 workers:
+# norm_tests [FILES...]
 norm_tests() {
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_layer_norm.py \
-    tests/test_add_norm.py > "$OUT/tests.txt" 2>&1
+  local files=("$@")
+  [ ${#files[@]} -gt 0 ] || files=(tests/test_layer_norm.py tests/test_add_norm.py)
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider "${files[@]}" > "$OUT/tests.txt" 2>&1
   tail -2 "$OUT/tests.txt" | tee -a "$LOG"
   stage_done tests
 }

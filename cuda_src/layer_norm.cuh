@@ -649,9 +649,10 @@ __device__ __forceinline__ void store_values(T* p, const float (&v)[PACK]) {
   }
 }
 
-// A Pack read through RowWords' interface. The warp-tier forward keeps float16 rows so:
-// HADD2.F32 converts either half of a register in place, and as words (RowWords) the
-// output pass took 256 more PRMT and 16 more registers at 4096 columns (SASS).
+// A Pack read through RowWords' interface. The warp tiers keep float16 rows so (and the
+// rows-bulk backward every dtype): HADD2.F32 converts either half of a register in place,
+// and as words (RowWords) the forward's output pass took 256 more PRMT and 16 more
+// registers at 4096 columns (SASS).
 template <typename T, int PACK>
 struct RowPack {
   Pack<T, PACK> p;
