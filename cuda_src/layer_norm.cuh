@@ -1112,7 +1112,7 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // loaded together; a persistent grid of warps. The scale stays in registers across rows
 // at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
 // PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
-// warp in flight (one pack a lane only: the registers of a second tile); below 32 lanes a
+// warp in flight (one pack a lane, or two as bfloat16 words: the registers of a second tile); below 32 lanes a
 // row of packs, kRegsPrefetchSmThreads an SM (at most 96 registers: ptxas otherwise took
 // up to 101; a minimum of 0 blocks leaves the others' registers to ptxas: 1 took up to
 // 25 % more, and 5 took the unvectorized kernels from 32-40 to 72).
@@ -1126,7 +1126,8 @@ __global__ void __launch_bounds__(THREADS,
   // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
   // registers of a pack a lane (1024 16-bit columns: 167 -> 218), so it is loaded where stored.
   constexpr bool AHEAD = VPT == 1;
-  static_assert(!PREFETCH || VPT == 1, "a second tile in registers at one pack a lane only");
+  static_assert(!PREFETCH || VPT == 1 || (VPT == 2 && std::is_same_v<T, bf16_t>),
+                "a second tile in registers at one pack a lane (bfloat16 words: two, launch_bwd_regs)");
   using PackT = Pack<T, PACK>;
   using AheadT = typename S::template Ahead<PACK>;
   const int lane = threadIdx.x % 32, group = lane / WIDTH, glane = lane % WIDTH;
@@ -2397,6 +2398,11 @@ int bwd_regs_block_threads() {
 // measured slower with two rows a group (up to 1.10x), with two packs a lane (384-512
 // columns, 118 registers: 1.03-1.06x) and for float32 (0.97-1.00x).
 // JAX_OPS_NORM_BWD_REGS_PREFETCH=0 turns it off (then two rows a group below 32 lanes).
+// Since bfloat16 rows are held as words (72 registers at two packs a lane), LayerNorm's
+// bf16 backward at two packs a lane (257-512 columns) loads its next tile ahead as well (95
+// registers; H200: 384 40.7 -> 39.7 µs, 512 50.1 -> 48.9); RMSNorm's (72 registers either
+// way) measured 1.01-1.03x slower with it, add+norm's (80 -> 96) 1.06-1.09x slower.
+// JAX_OPS_NORM_BWD_REGS_PREFETCH2=0 turns it off.
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
@@ -2405,6 +2411,10 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
       if (prefetch && bwd_regs_block_threads<WIDTH>() == 320)
         return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, 320>(a, stream, plan);
     if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
+  }
+  if constexpr (VPT == 2 && std::is_same_v<T, bf16_t> && !S::kRms && std::is_base_of_v<StoreDx<T>, S>) {
+    static const int prefetch2 = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH2", 1);
+    if (prefetch2) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }
