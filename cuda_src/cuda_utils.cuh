@@ -42,6 +42,15 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
+// group_sum of N values at once, their shuffles interleaved (independent chains).
+template <int WIDTH, int N>
+__device__ __forceinline__ void group_sums(float (&v)[N]) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off /= 2)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off, WIDTH);
+}
+
 // Host-side launch queries (occupancy, function and device attributes) cost up to
 // microseconds each, and a jitted step calls our handlers hundreds of times with the same
 // few kernels and shapes: on a host-bound step (XLA launching thunk by thunk) that time is

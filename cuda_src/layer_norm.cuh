@@ -691,7 +691,48 @@ __device__ __forceinline__ RowStats row_stats_two_pass(const RowT (&raw)[VPT], b
   return RowStats{mean, rsqrt_f32(var + a.eps)};
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
+// The same for the ROWS rows of a group's tile at once: their shuffle chains interleaved,
+// so that a tile waits on one chain's latency, not ROWS of them in sequence.
+template <int WIDTH, bool RMS, int PACK, int ROWS, typename RowT, int VPT>
+__device__ __forceinline__ void rows_stats_two_pass(const RowT (&raw)[ROWS][VPT], const bool (&valid)[ROWS],
+                                                    int glane, const FwdArgs& a, RowStats (&st)[ROWS]) {
+  const float inv_n = 1.f / float(a.cols);
+  float mean[ROWS], q[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) mean[r] = 0.f;
+  if constexpr (!RMS) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+      for (int v = 0; v < VPT; ++v)
+        if (valid[r] && int64_t(v * WIDTH + glane) * PACK < a.cols)
+#pragma unroll
+          for (int k = 0; k < PACK; ++k) mean[r] += raw[r][v].template value<false>(k);
+    group_sums<WIDTH, ROWS>(mean);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) mean[r] *= inv_n;
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    q[r] = 0.f;
+#pragma unroll
+    for (int v = 0; v < VPT; ++v)
+      if (valid[r] && int64_t(v * WIDTH + glane) * PACK < a.cols)
+#pragma unroll
+        for (int k = 0; k < PACK; ++k) {
+          const float d = raw[r][v].template value<false>(k) - mean[r];
+          q[r] += d * d;
+        }
+  }
+  group_sums<WIDTH, ROWS>(q);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) st[r] = RowStats{mean[r], rsqrt_f32(q[r] * inv_n + a.eps)};
+}
+
+// Rows of up to kFwdRegsMaxBytes in registers, a group of WIDTH lanes a row, ROWS rows a
+// group: a tile a warp (a grid of tiles), or with PREFETCH a persistent grid whose warps
+// load their next tile before reducing this one, the tile's rows' statistics together.
+template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L, bool PREFETCH = false>
 __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args a) {
   constexpr int GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
   using PackT = Pack<T, PACK>;
@@ -706,10 +747,10 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   using RowT = std::conditional_t<kWords, RowWords<T, PACK>, RowPack<T, PACK>>;
   constexpr bool kWordLoad = kWords && std::is_base_of_v<LoadX<T>, L>;
   constexpr bool kWordAdd = kWords && std::is_base_of_v<LoadAdd<T>, L> && sizeof(T) == 2 && PACK % 8 == 0;
-  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
-  for (int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
-       tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+  struct Tile {
     RowT raw[ROWS][VPT];
+  };
+  const auto load_tile = [&](int64_t tile, Tile& t) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
@@ -719,31 +760,43 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
         if (row >= a.rows || col >= a.cols) continue;
         const int64_t i = row * a.cols + col;
         if constexpr (kWordLoad) {
-          raw[r][v].load(load.x + i);
+          t.raw[r][v].load(load.x + i);
         } else if constexpr (kWordAdd) {
-          raw[r][v].load_add(load.x + i, load.residual + i, load.h + i);
+          t.raw[r][v].load_add(load.x + i, load.residual + i, load.h + i);
         } else {
           PackT pk;
           load(i, pk);
-          raw[r][v].set(pk);
+          t.raw[r][v].set(pk);
         }
       }
     }
-    // With one pack a lane and several rows a group, the tile's rows share the lane's
-    // scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 -> 11.3 µs
-    // at 128 columns; at 256, one row a group, it cost 0.7 µs).
-    constexpr bool SHARED_PARAMS = VPT == 1 && ROWS > 1;
-    float sc1[PACK], bi1[PACK];
+  };
+  // With one pack a lane and several rows a group, the tile's rows share the lane's
+  // scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 -> 11.3 µs
+  // at 128 columns; at 256, one row a group, it cost 0.7 µs). A prefetching grid loads
+  // them once for all its tiles.
+  constexpr bool SHARED_PARAMS = VPT == 1 && (ROWS > 1 || PREFETCH);
+  using Params = float[PACK];
+  const auto load_shared_params = [&](Params& sc1, Params& bi1) {
     if constexpr (SHARED_PARAMS) {
       if (int64_t(glane) * PACK < a.cols) {
         load_param<P, PACK>(a.scale, int64_t(glane) * PACK, 1.f, sc1);
         load_param<P, PACK>(a.bias, int64_t(glane) * PACK, 0.f, bi1);
       }
     }
+  };
+  const auto finish_tile = [&](int64_t tile, const Tile& t, const Params& sc1, const Params& bi1) {
+    RowStats joint[ROWS];
+    if constexpr (PREFETCH) {
+      bool valid[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) valid[r] = tile * ROWS_PER_WARP + group * ROWS + r < a.rows;
+      rows_stats_two_pass<WIDTH, L::kRms, PACK>(t.raw, valid, glane, a, joint);
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      const RowStats st = row_stats_two_pass<WIDTH, L::kRms, PACK>(raw[r], row < a.rows, glane, a);
+      const RowStats st = PREFETCH ? joint[r] : row_stats_two_pass<WIDTH, L::kRms, PACK>(t.raw[r], row < a.rows, glane, a);
       if (row >= a.rows) continue;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
@@ -758,13 +811,35 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
           load_param<P, PACK>(a.bias, col, 0.f, bi);
         }
 #pragma unroll
-        for (int k = 0; k < PACK; ++k) out[k] = norm_out_as<T>(raw[r][v].template value<true>(k), st, sc[k], bi[k]);
+        for (int k = 0; k < PACK; ++k) out[k] = norm_out_as<T>(t.raw[r][v].template value<true>(k), st, sc[k], bi[k]);
         store_values<T, PACK>(y + row * a.cols + col, out);
       }
       if (glane == 0 && a.rstd != nullptr) {
         if (a.mean != nullptr) a.mean[row] = st.mean;
         a.rstd[row] = st.rstd;
       }
+    }
+  };
+  // Warp-uniform loops: every lane takes part in the shuffles, rows past the end are masked.
+  int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+  if constexpr (PREFETCH) {  // a persistent grid, the warp's next tile loaded before this one is reduced
+    Tile cur;
+    float sc1[PACK], bi1[PACK];
+    if (tile * ROWS_PER_WARP < a.rows) load_tile(tile, cur);
+    load_shared_params(sc1, bi1);
+    for (; tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+      Tile next;
+      if ((tile + warps_total) * ROWS_PER_WARP < a.rows) load_tile(tile + warps_total, next);
+      finish_tile(tile, cur, sc1, bi1);
+      cur = next;
+    }
+  } else {
+    for (; tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
+      Tile t;
+      float sc1[PACK], bi1[PACK];
+      load_tile(tile, t);
+      load_shared_params(sc1, bi1);
+      finish_tile(tile, t, sc1, bi1);
     }
   }
 }
@@ -1951,6 +2026,25 @@ cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int6
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
 cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
+  // bfloat16 LayerNorm at one pack a lane from 64 columns: a persistent grid whose warps load
+  // their next tile before reducing this one, the tile's rows' statistics as interleaved
+  // shuffle chains (H200, 49152 rows, µs: 64 5.4 -> 5.0, 128 8.85 -> 8.4, 256 15.7 -> 14.7;
+  // fwd_bwd 1.01-1.03x). Measured slower or the same (so not taken): RMSNorm, add+norm at 32
+  // and 256 columns, float16 (a Pack a value a register: 128 columns 8.85 -> 9.6) and 32
+  // columns; the interleaved statistics alone changed nothing. Knob
+  // JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
+  if constexpr (VPT == 1 && WIDTH >= 8 && std::is_same_v<T, bf16_t> && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
+    static const int prefetch = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH", 1);
+    if (prefetch) {
+      auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L, true>;
+      int blocks = 0;
+      const int64_t needed = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+      cudaError_t err = resident_blocks(kernel, kRegsThreads, 0, needed, &blocks);
+      if (err != cudaSuccess) return err;
+      kernel<<<blocks, kRegsThreads, 0, stream>>>(a);
+      return cudaGetLastError();
+    }
+  }
   auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L>;
   // One tile per warp rather than a persistent grid: with few tiles per warp a
   // persistent grid leaves a partly idle last round, the scheduler balances better.
