@@ -15,6 +15,9 @@
 #   (JAX_OPS_NORM_FWD_ROWS_JOINT=1) and/or a persistent grid that loads each warp's next
 #   tile ahead (JAX_OPS_NORM_FWD_REGS_PREFETCH=1): fwd of the four ops in bf16 at 32-256,
 #   LayerNorm / RMSNorm in f16 and f32, fwd_bwd of LayerNorm / RMSNorm;
+# - f16pf: float16 LayerNorm's forward with the next tile ahead, its rows as words (build Y;
+#   JAX_OPS_NORM_FWD_REGS_PREFETCH_F16=0 turns it off), against without, twice: fwd at 64 /
+#   128 / 256, fwd_bwd at 128 / 256; then memcheck of it at 301 rows x 64 / 72 / 200 / 256;
 # - san: memcheck / synccheck of the four ops in bfloat16 with that knob on at 301 rows x
 #   264 / 392 / 512 columns, racecheck of LayerNorm at 512; then float16 add+norm (its
 #   sums as f16x2) at 33 / 1000 / 2056 / 4104 columns;
@@ -53,6 +56,12 @@ if has san; then
 fi
 # sanln: memcheck / synccheck of LayerNorm's bf16 forward with its next tile ahead (the
 # default from build X), 301 rows at 64 / 72 / 128 / 200 / 256 columns.
+if has f16pf; then
+  cfg_sweep f16pf "default FWD_REGS_PREFETCH_F16=0 default FWD_REGS_PREFETCH_F16=0" f16 --rows 49152 \
+    --op layer_norm --mode fwd --cols 64,128,256
+  cfg_sweep f16pf_fwd_bwd "default FWD_REGS_PREFETCH_F16=0" f16 --rows 49152 --op layer_norm --mode fwd_bwd --cols 128,256
+  SAN_NAME=sanitize_ln16 DTYPES=float16 SAN_OPS=ln norm_sanitize 301 64,72,200,256 ""
+fi
 has sanln && SAN_NAME=sanitize_ln DTYPES=bfloat16 SAN_OPS=ln norm_sanitize 301 64,72,128,200,256 ""
 has rnd && TEST_TIMEOUT=120 norm_tests tests/test_add_norm.py -k rounds_like
 has tests && norm_tests
@@ -61,4 +70,4 @@ has item1 && SWEEP_TIMEOUT=250 sweep_stage sweep_item1_bf16 --dtype bf16 --rows 
   --op $OPS4 --mode fwd_bwd,step --cols ${ITEM1_COLS:-384,512}
 has item1 && SWEEP_TIMEOUT=100 sweep_stage sweep_item1_ln_fwd --dtype bf16 --rows 49152 \
   --op layer_norm --mode fwd --cols 32,64,128,256
-finish_call "log|env|tests|pf2|pf2_fwd_bwd|fwdrows|knobs|fwdx|fwdx_dt|fwdx_fwd_bwd|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize_pf2|sanitize_ln|sanitize_f16add"
+finish_call "log|env|tests|pf2|pf2_fwd_bwd|fwdrows|knobs|fwdx|fwdx_dt|fwdx_fwd_bwd|tables_[a-z0-9]+_[0-9]+|env_tables|sanitize_pf2|sanitize_ln|sanitize_ln16|f16pf|f16pf_fwd_bwd|sanitize_f16add"

@@ -742,8 +742,9 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   T* y = static_cast<T*>(a.y);
   // The row stays in registers in its storage type: bfloat16 and float32 as 32-bit words
   // (a Pack of bfloat16 structs took a register a value: at 4096 columns 174 registers
-  // against 108 as words, twice the warps an SM; docs/perf-notes.md), float16 as a Pack.
-  constexpr bool kWords = !std::is_same_v<T, f16_t>;
+  // against 108 as words, twice the warps an SM; docs/perf-notes.md), float16 as a Pack
+  // but where a second tile is held (PREFETCH).
+  constexpr bool kWords = !std::is_same_v<T, f16_t> || PREFETCH;
   using RowT = std::conditional_t<kWords, RowWords<T, PACK>, RowPack<T, PACK>>;
   constexpr bool kWordLoad = kWords && std::is_base_of_v<LoadX<T>, L>;
   constexpr bool kWordAdd = kWords && std::is_base_of_v<LoadAdd<T>, L> && sizeof(T) == 2 && PACK % 8 == 0;
@@ -2033,9 +2034,10 @@ cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
   // and 256 columns, float16 (a Pack a value a register: 128 columns 8.85 -> 9.6) and 32
   // columns; the interleaved statistics alone changed nothing. Knob
   // JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
-  if constexpr (VPT == 1 && WIDTH >= 8 && std::is_same_v<T, bf16_t> && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
+  if constexpr (VPT == 1 && WIDTH >= 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
     static const int prefetch = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH", 1);
-    if (prefetch) {
+    static const int prefetch_f16 = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH_F16", 1);
+    if (prefetch && (std::is_same_v<T, bf16_t> || prefetch_f16)) {
       auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L, true>;
       int blocks = 0;
       const int64_t needed = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
