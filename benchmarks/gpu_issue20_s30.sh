@@ -15,9 +15,10 @@
 #   (JAX_OPS_NORM_FWD_ROWS_JOINT=1) and/or a persistent grid that loads each warp's next
 #   tile ahead (JAX_OPS_NORM_FWD_REGS_PREFETCH=1): fwd of the four ops in bf16 at 32-256,
 #   LayerNorm / RMSNorm in f16 and f32, fwd_bwd of LayerNorm / RMSNorm;
-# - f16pf: float16 LayerNorm's forward with the next tile ahead, its rows as words (build Y;
-#   JAX_OPS_NORM_FWD_REGS_PREFETCH_F16=0 turns it off), against without, twice: fwd at 64 /
-#   128 / 256, fwd_bwd at 128 / 256; then memcheck of it at 301 rows x 64 / 72 / 200 / 256;
+# - f16pf (build Y, whose knob JAX_OPS_NORM_FWD_REGS_PREFETCH_F16=0 turned it off; since
+#   folded into JAX_OPS_NORM_FWD_REGS_PREFETCH): float16 LayerNorm's forward with the next
+#   tile ahead, its rows as words, against without, twice: fwd at 64 / 128 / 256, fwd_bwd at
+#   128 / 256; then memcheck / synccheck of it at 301 rows x 64 / 72 / 200 / 256;
 # - san: memcheck / synccheck of the four ops in bfloat16 with that knob on at 301 rows x
 #   264 / 392 / 512 columns, racecheck of LayerNorm at 512; then float16 add+norm (its
 #   sums as f16x2) at 33 / 1000 / 2056 / 4104 columns;

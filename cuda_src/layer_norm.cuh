@@ -743,7 +743,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   // The row stays in registers in its storage type: bfloat16 and float32 as 32-bit words
   // (a Pack of bfloat16 structs took a register a value: at 4096 columns 174 registers
   // against 108 as words, twice the warps an SM; docs/perf-notes.md), float16 as a Pack
-  // but where a second tile is held (PREFETCH).
+  // (HADD2 converts either half in place) but where a second tile is held (PREFETCH).
   constexpr bool kWords = !std::is_same_v<T, f16_t> || PREFETCH;
   using RowT = std::conditional_t<kWords, RowWords<T, PACK>, RowPack<T, PACK>>;
   constexpr bool kWordLoad = kWords && std::is_base_of_v<LoadX<T>, L>;
@@ -797,7 +797,8 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS_PER_WARP + group * ROWS + r;
-      const RowStats st = PREFETCH ? joint[r] : row_stats_two_pass<WIDTH, L::kRms, PACK>(t.raw[r], row < a.rows, glane, a);
+      const RowStats st =
+          PREFETCH ? joint[r] : row_stats_two_pass<WIDTH, L::kRms, PACK>(t.raw[r], row < a.rows, glane, a);
       if (row >= a.rows) continue;
 #pragma unroll
       for (int v = 0; v < VPT; ++v) {
@@ -1188,10 +1189,11 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // loaded together; a persistent grid of warps. The scale stays in registers across rows
 // at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
 // PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
-// warp in flight (one pack a lane, or two as bfloat16 words: the registers of a second tile); below 32 lanes a
-// row of packs, kRegsPrefetchSmThreads an SM (at most 96 registers: ptxas otherwise took
-// up to 101; a minimum of 0 blocks leaves the others' registers to ptxas: 1 took up to
-// 25 % more, and 5 took the unvectorized kernels from 32-40 to 72).
+// warp in flight (one pack a lane, or two as bfloat16 words: the registers of a second
+// tile); below 32 lanes a row of packs, kRegsPrefetchSmThreads an SM (at most 96
+// registers: ptxas otherwise took up to 101; a minimum of 0 blocks leaves the others'
+// registers to ptxas: 1 took up to 25 % more, and 5 took the unvectorized kernels from
+// 32-40 to 72).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH,
           int THREADS = kRegsThreads>
 __global__ void __launch_bounds__(THREADS,
@@ -2027,17 +2029,16 @@ cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int6
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
 cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
-  // bfloat16 LayerNorm at one pack a lane from 64 columns: a persistent grid whose warps load
+  // 16-bit LayerNorm at one pack a lane from 64 columns: a persistent grid whose warps load
   // their next tile before reducing this one, the tile's rows' statistics as interleaved
-  // shuffle chains (H200, 49152 rows, µs: 64 5.4 -> 5.0, 128 8.85 -> 8.4, 256 15.7 -> 14.7;
-  // fwd_bwd 1.01-1.03x). Measured slower or the same (so not taken): RMSNorm, add+norm at 32
-  // and 256 columns, float16 (a Pack a value a register: 128 columns 8.85 -> 9.6) and 32
-  // columns; the interleaved statistics alone changed nothing. Knob
-  // JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
+  // shuffle chains (H200, 49152 rows, µs: bf16 64 5.4 -> 5.0, 128 8.85 -> 8.4, 256 15.7 ->
+  // 14.7; float16, its rows then as words, 1.07x; fwd_bwd 1.01-1.03x). Measured slower or
+  // the same (so not taken): RMSNorm, add+norm at 32 and 256 columns, float16 rows as Packs
+  // (a register a value: 128 columns 8.85 -> 9.6), float32, 32 columns; the interleaved
+  // statistics alone changed nothing. Knob JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
   if constexpr (VPT == 1 && WIDTH >= 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
     static const int prefetch = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH", 1);
-    static const int prefetch_f16 = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH_F16", 1);
-    if (prefetch && (std::is_same_v<T, bf16_t> || prefetch_f16)) {
+    if (prefetch) {
       auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L, true>;
       int blocks = 0;
       const int64_t needed = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;

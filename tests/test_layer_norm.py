@@ -366,12 +366,15 @@ MANY_LONG_ROWS = [((300, 8200), "bfloat16"), ((263, 16384), "bfloat16"), ((97, 2
 # Narrow rows: the group tier's register kernel over many tiles, and on sm_90 float32 rows
 # of 256+ columns staged by chunks of consecutive rows (bwd_rows_bulk_kernel): more chunks
 # than an H100's resident blocks times the stages (every stage is refilled and its
-# barrier's phase flips), and a last chunk partly past the end. The 16-bit register kernel
-# at 136-256 columns (17-32 packs of 8) loads a warp's next tile ahead: many tiles, and
-# one or three rows (no warp has a next tile).
+# barrier's phase flips), and a last chunk partly past the end. The 16-bit register kernels
+# that load a warp's next tile ahead (the backward at 136-256 columns, bf16 LayerNorm's also
+# at 257-512 with the second pack on some lanes, LayerNorm's forward at 64-256 in a
+# persistent grid): many tiles, groups with idle lanes, and one or three rows (no warp
+# has a next tile).
 MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30011, 256), "float16"),
                     ((15001, 512), "bfloat16"), ((4001, 1024), "float32"), ((60001, 64), "float32"),
-                    ((20011, 256), "float32"), ((3, 256), "bfloat16"), ((1, 200), "float16")]
+                    ((20011, 256), "float32"), ((3, 256), "bfloat16"), ((1, 200), "float16"),
+                    ((40011, 72), "bfloat16"), ((50001, 64), "float16"), ((25001, 384), "bfloat16")]
 
 
 @pytest.mark.heavy
