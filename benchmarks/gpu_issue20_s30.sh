@@ -15,10 +15,10 @@
 #   (JAX_OPS_NORM_FWD_ROWS_JOINT=1) and/or a persistent grid that loads each warp's next
 #   tile ahead (JAX_OPS_NORM_FWD_REGS_PREFETCH=1): fwd of the four ops in bf16 at 32-256,
 #   LayerNorm / RMSNorm in f16 and f32, fwd_bwd of LayerNorm / RMSNorm;
-# - f16pf (build Y, whose knob JAX_OPS_NORM_FWD_REGS_PREFETCH_F16=0 turned it off; since
-#   folded into JAX_OPS_NORM_FWD_REGS_PREFETCH): float16 LayerNorm's forward with the next
-#   tile ahead, its rows as words, against without, twice: fwd at 64 / 128 / 256, fwd_bwd at
-#   128 / 256; then memcheck / synccheck of it at 301 rows x 64 / 72 / 200 / 256;
+# - f16pf: float16 LayerNorm's forward with the next tile ahead, its rows as words, against
+#   without (JAX_OPS_NORM_FWD_REGS_PREFETCH=0; run 5 on build Y turned it off by that
+#   build's own knob, JAX_OPS_NORM_FWD_REGS_PREFETCH_F16=0), twice: fwd at 64 / 128 / 256,
+#   fwd_bwd at 128 / 256; then memcheck / synccheck of it at 301 rows x 64 / 72 / 200 / 256;
 # - san: memcheck / synccheck of the four ops in bfloat16 with that knob on at 301 rows x
 #   264 / 392 / 512 columns, racecheck of LayerNorm at 512; then float16 add+norm (its
 #   sums as f16x2) at 33 / 1000 / 2056 / 4104 columns;
@@ -55,14 +55,14 @@ if has san; then
     RACE_OPS=ln norm_sanitize 301 264,392,512 512
   SAN_NAME=sanitize_f16add DTYPES=float16 SAN_OPS=add_ln,add_rms norm_sanitize 301 33,1000,2056,4104 ""
 fi
-# sanln: memcheck / synccheck of LayerNorm's bf16 forward with its next tile ahead (the
-# default from build X), 301 rows at 64 / 72 / 128 / 200 / 256 columns.
 if has f16pf; then
-  cfg_sweep f16pf "default FWD_REGS_PREFETCH_F16=0 default FWD_REGS_PREFETCH_F16=0" f16 --rows 49152 \
+  cfg_sweep f16pf "default FWD_REGS_PREFETCH=0 default FWD_REGS_PREFETCH=0" f16 --rows 49152 \
     --op layer_norm --mode fwd --cols 64,128,256
-  cfg_sweep f16pf_fwd_bwd "default FWD_REGS_PREFETCH_F16=0" f16 --rows 49152 --op layer_norm --mode fwd_bwd --cols 128,256
+  cfg_sweep f16pf_fwd_bwd "default FWD_REGS_PREFETCH=0" f16 --rows 49152 --op layer_norm --mode fwd_bwd --cols 128,256
   SAN_NAME=sanitize_ln16 DTYPES=float16 SAN_OPS=ln norm_sanitize 301 64,72,200,256 ""
 fi
+# sanln: memcheck / synccheck of LayerNorm's bf16 forward with its next tile ahead (the
+# default from build X), 301 rows at 64 / 72 / 128 / 200 / 256 columns.
 has sanln && SAN_NAME=sanitize_ln DTYPES=bfloat16 SAN_OPS=ln norm_sanitize 301 64,72,128,200,256 ""
 has rnd && TEST_TIMEOUT=120 norm_tests tests/test_add_norm.py -k rounds_like
 has tests && norm_tests
