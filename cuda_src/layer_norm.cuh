@@ -2035,8 +2035,9 @@ cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
   // 14.7; float16, its rows then as words, 1.07x; fwd_bwd 1.01-1.03x). Measured slower or
   // the same (so not taken): RMSNorm, add+norm at 32 and 256 columns, float16 rows as Packs
   // (a register a value: 128 columns 8.85 -> 9.6), float32, 32 columns; the interleaved
-  // statistics alone changed nothing. Knob JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
-  if constexpr (VPT == 1 && WIDTH >= 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
+  // statistics alone changed nothing. 16-byte packs only (the measured rows; the scalar
+  // kernels of other widths are unmeasured). Knob JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
+  if constexpr (VPT == 1 && WIDTH >= 8 && PACK == 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
     static const int prefetch = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH", 1);
     if (prefetch) {
       auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L, true>;
@@ -2499,7 +2500,7 @@ int bwd_regs_block_threads() {
 // bf16 backward at two packs a lane (257-512 columns) loads its next tile ahead as well (95
 // registers; H200: 384 40.7 -> 39.7 µs, 512 50.1 -> 48.9); RMSNorm's (72 registers either
 // way) measured 1.01-1.03x slower with it, add+norm's (80 -> 96) 1.06-1.09x slower.
-// JAX_OPS_NORM_BWD_REGS_PREFETCH2=0 turns it off.
+// 16-byte packs only (the measured rows). JAX_OPS_NORM_BWD_REGS_PREFETCH2=0 turns it off.
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
@@ -2509,7 +2510,7 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
         return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, 320>(a, stream, plan);
     if (prefetch) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
-  if constexpr (VPT == 2 && std::is_same_v<T, bf16_t> && !S::kRms && std::is_base_of_v<StoreDx<T>, S>) {
+  if constexpr (VPT == 2 && PACK == 8 && std::is_same_v<T, bf16_t> && !S::kRms && std::is_base_of_v<StoreDx<T>, S>) {
     static const int prefetch2 = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH2", 1);
     if (prefetch2) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
