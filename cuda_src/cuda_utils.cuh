@@ -223,6 +223,27 @@ cudaError_t dispatch_group_shape(int64_t nvec, Launch&& launch) {
   return cudaErrorInvalidValue;
 }
 
+// The same, but rows of up to 3 * 2^k packs take three packs (3 * 2^k / 32) a lane, so
+// that no slot idles at 384 / 768 / 1536 / 3072 16-bit columns, where the power-of-two
+// shape leaves a quarter of the lanes' slots idle: with ON16, 33-48 packs on 16 lanes at
+// three a lane; with ON32, 65-96 / 129-192 / 257-384 packs on 32 lanes at 3 / 6 / 12 a
+// lane. `on` false: the power-of-two shapes only.
+template <int PACK, int64_t MAX_COLS, bool ON16, bool ON32, typename Launch>
+cudaError_t dispatch_group_shape_thirds(int64_t nvec, bool on, Launch&& launch) {
+  using W32 = std::integral_constant<int, 32>;
+  if constexpr (ON16 && 48 * PACK <= MAX_COLS)
+    if (on && nvec > 32 && nvec <= 48) return launch(std::integral_constant<int, 3>{}, std::integral_constant<int, 16>{});
+  if constexpr (ON32) {
+    if constexpr (96 * PACK <= MAX_COLS)
+      if (on && nvec > 64 && nvec <= 96) return launch(std::integral_constant<int, 3>{}, W32{});
+    if constexpr (192 * PACK <= MAX_COLS)
+      if (on && nvec > 128 && nvec <= 192) return launch(std::integral_constant<int, 6>{}, W32{});
+    if constexpr (384 * PACK <= MAX_COLS)
+      if (on && nvec > 256 && nvec <= 384) return launch(std::integral_constant<int, 12>{}, W32{});
+  }
+  return dispatch_group_shape<PACK, MAX_COLS>(nvec, launch);
+}
+
 // Threads for nvec packs at k packs a thread, in whole warps.
 inline int warp_threads(int64_t nvec, int k) { return int(((nvec + k - 1) / k + 31) / 32 * 32); }
 

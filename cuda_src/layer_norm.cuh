@@ -2086,11 +2086,24 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
   }
 }
 
+// 16-bit rows of 16-byte packs at 384 / 768 / 1536 / 3072 columns: row shapes with no idle
+// slot (dispatch_group_shape_thirds) where they measured faster (H200 bf16, 49152 rows,
+// against the power-of-two shapes, µs; docs/perf-notes.md, thirty-first session):
+// add+norm's forward on 32 lanes (1536: add_layer_norm 156.5 -> 150.8, add_rms_norm 151.3
+// -> 149.0; 768 / 3072 the same); the plain norms' forward the same at 768-3072, RMSNorm
+// and add_layer_norm 1.01-1.02x slower on 16 lanes at 384. Knob
+// JAX_OPS_NORM_FWD_REGS_THIRDS=0 turns them off.
+template <typename T, int PACK>
+constexpr bool kThirdsTypes = sizeof(T) == 2 && PACK == 8;
+
 template <typename T, typename P, int PACK, typename L>
 cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
-  return dispatch_group_shape<PACK, fwd_regs_max_cols<T, PACK>()>(a.cols / PACK, [&](auto vpt, auto width) {
-    return launch_fwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, L>(a, stream);
-  });
+  static const bool thirds = env_knob("JAX_OPS_NORM_FWD_REGS_THIRDS", 1) != 0;
+  constexpr bool kAdd = std::is_base_of_v<LoadAdd<T>, L>;
+  return dispatch_group_shape_thirds<PACK, fwd_regs_max_cols<T, PACK>(), false, kThirdsTypes<T, PACK> && kAdd>(
+      a.cols / PACK, thirds, [&](auto vpt, auto width) {
+        return launch_fwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, L>(a, stream);
+      });
 }
 
 // Whether a forward of the block tiers may take the split column layout (split_col): the
@@ -2505,7 +2518,7 @@ int bwd_regs_block_threads() {
 // way) measured 1.01-1.03x slower with it, add+norm's (80 -> 96) 1.06-1.09x slower.
 // 16-byte packs only (the measured rows). JAX_OPS_NORM_BWD_REGS_PREFETCH2=0 turns it off.
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
-cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+cudaError_t launch_bwd_regs_pow2(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH", 1);
     if constexpr (WIDTH < 32)
@@ -2520,11 +2533,32 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }
 
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
+cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  // three packs a lane on 16 lanes: one row a group (two: 1.00-1.08x slower, 135 registers)
+  if constexpr (VPT == 3 && WIDTH < 32) {
+    return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1>(a, stream, plan);
+  } else {
+    return launch_bwd_regs_pow2<T, P, PACK, VPT, WIDTH, S>(a, stream, plan);
+  }
+}
+
+// The backward's row shapes with no idle slot (dispatch_group_shape_thirds), where they
+// measured faster (H200 bf16, 49152 rows, µs against the power-of-two shapes; two runs
+// each, docs/perf-notes.md): the plain norms on 16 lanes, one row a group (LayerNorm 320
+// 36.4 -> 34.1, 384 39.7 -> 37.45; RMSNorm 1.02-1.03x; two rows a group slower; not
+// add+norm: add_layer_norm 1.00-1.02x, add_rms_norm 1.02-1.03x slower); add+norm on 32 lanes
+// (add_layer_norm 640 80.75 -> 74.65, 768 92.35 -> 86.8; add_rms_norm 1.01-1.06x;
+// LayerNorm the same, RMSNorm 640 1.04x slower). Knob JAX_OPS_NORM_BWD_REGS_THIRDS=0
+// turns them off.
 template <typename T, typename P, int PACK, typename S>
 cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  return dispatch_group_shape<PACK, kRegsMaxCols>(a.cols / PACK, [&](auto vpt, auto width) {
-    return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream, plan);
-  });
+  static const bool thirds = env_knob("JAX_OPS_NORM_BWD_REGS_THIRDS", 1) != 0;
+  constexpr bool kAdd = std::is_base_of_v<StoreDxAddDh<T>, S>;
+  return dispatch_group_shape_thirds<PACK, kRegsMaxCols, kThirdsTypes<T, PACK> && !kAdd, kThirdsTypes<T, PACK> && kAdd>(
+      a.cols / PACK, thirds, [&](auto vpt, auto width) {
+        return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream, plan);
+      });
 }
 
 // The block tier's rows staged by bulk copies: JAX_OPS_NORM_BWD_BULK_STAGES rows a block
