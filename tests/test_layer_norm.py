@@ -375,7 +375,8 @@ MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30
                     ((15001, 512), "bfloat16"), ((4001, 1024), "float32"), ((60001, 64), "float32"),
                     ((20011, 256), "float32"), ((3, 256), "bfloat16"), ((1, 200), "float16"),
                     ((40011, 72), "bfloat16"), ((50001, 64), "float16"), ((25001, 384), "bfloat16"),
-                    # three packs a lane (16 / 32 lanes), ragged and whole; 6 / 12 in the forward
+                    # 264: the backward's three packs a lane on 16 lanes (ragged); 520-3072: the
+                    # power-of-two shapes the plain norms keep where add+norm's take 3 / 6 / 12
                     ((30001, 264), "float16"), ((20011, 768), "bfloat16"), ((12001, 520), "float16"),
                     ((3001, 1528), "bfloat16"), ((2501, 3072), "float16")]
 
