@@ -775,17 +775,22 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
       }
     }
   };
-  // With one pack a lane and several rows a group, the tile's rows share the lane's
-  // scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 -> 11.3 µs
-  // at 128 columns; at 256, one row a group, it cost 0.7 µs). A prefetching grid loads
-  // them once for all its tiles.
-  constexpr bool SHARED_PARAMS = VPT == 1 && (ROWS > 1 || PREFETCH);
-  using Params = float[PACK];
+  // With one or two packs a lane and several rows a group, the tile's rows share the
+  // lane's scale/bias values: loaded once, with the rows (H100, bf16 LayerNorm: 12.8 ->
+  // 11.3 µs at 128 columns; at 256, one row a group, it cost 0.7 µs). A prefetching grid
+  // loads them once for all its tiles.
+  constexpr bool SHARED_PARAMS = VPT <= 2 && (ROWS > 1 || PREFETCH);
+  constexpr int SHARED_VPT = SHARED_PARAMS ? VPT : 1;
+  using Params = float[SHARED_VPT][PACK];
   const auto load_shared_params = [&](Params& sc1, Params& bi1) {
     if constexpr (SHARED_PARAMS) {
-      if (int64_t(glane) * PACK < a.cols) {
-        load_param<P, PACK>(a.scale, int64_t(glane) * PACK, 1.f, sc1);
-        load_param<P, PACK>(a.bias, int64_t(glane) * PACK, 0.f, bi1);
+#pragma unroll
+      for (int v = 0; v < VPT; ++v) {
+        const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+        if (col < a.cols) {
+          load_param<P, PACK>(a.scale, col, 1.f, sc1[v]);
+          load_param<P, PACK>(a.bias, col, 0.f, bi1[v]);
+        }
       }
     }
   };
@@ -810,7 +815,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
         float sc[PACK], bi[PACK], out[PACK];
         if constexpr (SHARED_PARAMS) {
 #pragma unroll
-          for (int k = 0; k < PACK; ++k) { sc[k] = sc1[k]; bi[k] = bi1[k]; }
+          for (int k = 0; k < PACK; ++k) { sc[k] = sc1[v][k]; bi[k] = bi1[v][k]; }
         } else {
           load_param<P, PACK>(a.scale, col, 1.f, sc);
           load_param<P, PACK>(a.bias, col, 0.f, bi);
@@ -829,7 +834,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
   if constexpr (PREFETCH) {  // a persistent grid, the warp's next tile loaded before this one is reduced
     Tile cur;
-    float sc1[PACK], bi1[PACK];
+    Params sc1, bi1;
     if (tile * ROWS_PER_WARP < a.rows) load_tile(tile, cur);
     load_shared_params(sc1, bi1);
     for (; tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
@@ -841,7 +846,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   } else {
     for (; tile * ROWS_PER_WARP < a.rows; tile += warps_total) {
       Tile t;
-      float sc1[PACK], bi1[PACK];
+      Params sc1, bi1;
       load_tile(tile, t);
       load_shared_params(sc1, bi1);
       finish_tile(tile, t, sc1, bi1);
@@ -1190,7 +1195,8 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 
 // Rows of up to kRegsMaxCols values, a group of WIDTH lanes a row, ROWS rows a group
 // loaded together; a persistent grid of warps. The scale stays in registers across rows
-// at one 16-bit pack a lane (more cost occupancy: 512 16-bit columns 96 -> 127 registers).
+// at one 16-bit pack a lane, and with HOIST at more (which costs registers: LayerNorm bf16
+// at 512 columns 95 -> 124; the launchers decide, bwd_hoist_scale).
 // PREFETCH: the warp's next tile is loaded before the current one is reduced, two tiles a
 // warp in flight (one pack a lane, or two as bfloat16 words: the registers of a second
 // tile); below 32 lanes a row of packs, kRegsPrefetchSmThreads an SM (at most 96
@@ -1198,12 +1204,12 @@ __device__ __forceinline__ void bwd_group_row(const BwdArgs& a, const S& store, 
 // registers to ptxas: 1 took up to 25 % more, and 5 took the unvectorized kernels from
 // 32-40 to 72).
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename S, bool PREFETCH,
-          int THREADS = kRegsThreads>
+          int THREADS = kRegsThreads, bool HOIST = false>
 __global__ void __launch_bounds__(THREADS,
                                   PREFETCH && WIDTH < 32 && PACK > 1 ? kRegsPrefetchSmThreads / THREADS : 0)
     bwd_regs_kernel(typename S::Args a, float* part_ds, float* part_db) {
   constexpr int N = VPT * PACK, GROUPS = 32 / WIDTH, ROWS_PER_WARP = GROUPS * ROWS;
-  constexpr bool HOIST_SCALE = VPT == 1 && sizeof(T) == 2;
+  constexpr bool HOIST_SCALE = (VPT == 1 || HOIST) && sizeof(T) == 2;
   // add+norm's dh loaded with the row at one pack a lane; with more it would cost the
   // registers of a pack a lane (1024 16-bit columns: 167 -> 218), so it is loaded where stored.
   constexpr bool AHEAD = VPT == 1;
@@ -2030,7 +2036,7 @@ cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int6
 // -------------------------------------------------------------- launchers ---
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
-cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
+cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream, bool ahead_vpt2 = false) {
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
   // 16-bit LayerNorm at one pack a lane from 64 columns: a persistent grid whose warps load
   // their next tile before reducing this one, the tile's rows' statistics as interleaved
@@ -2040,9 +2046,13 @@ cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream) {
   // (a register a value: 128 columns 8.85 -> 9.6), float32, 32 columns; the interleaved
   // statistics alone changed nothing. 16-byte packs only (the measured rows; the scalar
   // kernels of other widths are unmeasured). Knob JAX_OPS_NORM_FWD_REGS_PREFETCH=0 turns it off.
-  if constexpr (VPT == 1 && WIDTH >= 8 && PACK == 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L> && !L::kRms) {
+  // At two packs a lane the caller decides (ahead_vpt2; launch_fwd_regs).
+  constexpr bool kPrefetchVpt1 =
+      VPT == 1 && WIDTH >= 8 && PACK == 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L> && !L::kRms;
+  constexpr bool kPrefetchVpt2 = VPT == 2 && WIDTH == 32 && PACK == 8 && sizeof(T) == 2 && std::is_base_of_v<LoadX<T>, L>;
+  if constexpr (kPrefetchVpt1 || kPrefetchVpt2) {
     static const int prefetch = env_knob("JAX_OPS_NORM_FWD_REGS_PREFETCH", 1);
-    if (prefetch) {
+    if (kPrefetchVpt1 ? prefetch != 0 : ahead_vpt2) {
       auto kernel = fwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, L, true>;
       int blocks = 0;
       const int64_t needed = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
@@ -2080,6 +2090,23 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
     if (group_rows == 1) return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 1, L>(a, stream);
     if (group_rows == 2) return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 2, L>(a, stream);
     return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 4, L>(a, stream);
+  } else if constexpr (VPT == 2 && PACK == 8 && sizeof(T) == 2 && kPlain) {
+    // The plain norms' 16-bit rows of 33-56 packs (264-448 columns; RMSNorm 33-48), where
+    // the second pack a lane is on a few lanes: the warp tier there was issue-bound (ncu,
+    // LayerNorm 264 bf16: 279 instructions a row against 162 at 256, issue slots 80 % busy, L1 70 %
+    // with the strided float32 scale and bias reloaded each row). Two rows a tile, a
+    // persistent grid with the next tile ahead, the parameters loaded once a warp (96
+    // registers): H200 bf16, 49152 rows, µs, LayerNorm 264 20.85 -> 19.0, 320 21.85 ->
+    // 19.55, 384 23.25 -> 22.05, 448 25.55 -> 25.35; RMSNorm 264 17.9 -> 16.75, 320 19.25 ->
+    // 18.65, 384 the same, 448 1.01x slower (so RMSNorm to 48 packs); at 57-64 packs (512)
+    // 1.02-1.03x slower, so not there. float16 the same (LayerNorm 264 20.5 -> 19.7). Two
+    // rows a tile alone, or the persistent grid alone: up to 1.11x slower; 8 lanes a row at 5-8
+    // packs: LayerNorm 264 18.5 but 1.05-1.13x slower from 384 (docs/perf-notes.md,
+    // thirty-second session). Knob JAX_OPS_NORM_FWD_VPT2_TILE=0 turns it off.
+    static const bool tile2 = env_knob("JAX_OPS_NORM_FWD_VPT2_TILE", 1) != 0;
+    if (tile2 && a.cols / PACK <= (L::kRms ? 48 : 56))
+      return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 2, L>(a, stream, true);
+    return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 1, L>(a, stream);
   } else {
     constexpr int ROWS = VPT == 1 && kPlain ? 2 : 1;
     return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, ROWS, L>(a, stream);
@@ -2450,7 +2477,7 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
 }
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH,
-          int ROWS = (WIDTH < 32 ? 2 : 1), int THREADS = kRegsThreads>
+          int ROWS = (WIDTH < 32 ? 2 : 1), int THREADS = kRegsThreads, bool HOIST = false>
 cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
   // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
@@ -2461,7 +2488,7 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
   // ROWS rows a group; without the next tile's prefetch (float32, or the knob off) two
   // below 32 lanes (H100, 16-bit, 32-256 columns: 1 and 2 within 0.5 µs of each other).
   constexpr int ROWS_PER_BLOCK = (THREADS / WIDTH) * ROWS;
-  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH, THREADS>;
+  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH, THREADS, HOIST>;
   const bool partials = wants_param_grads(a);
   // a row a warp of each partial array (RMSNorm's one: dscale)
   const size_t smem = partials ? (S::kRms ? 1 : 2) * size_t(THREADS / 32) * size_t(a.cols) * sizeof(float) : 0;
@@ -2517,6 +2544,22 @@ int bwd_regs_block_threads() {
 // registers; H200: 384 40.7 -> 39.7 µs, 512 50.1 -> 48.9); RMSNorm's (72 registers either
 // way) measured 1.01-1.03x slower with it, add+norm's (80 -> 96) 1.06-1.09x slower.
 // 16-byte packs only (the measured rows). JAX_OPS_NORM_BWD_REGS_PREFETCH2=0 turns it off.
+// At two or three 16-bit packs a lane the scale stays in registers across rows too, where
+// that measured faster: it was reloaded (float32, strided) for each row and each of the
+// row's two passes (ncu, LayerNorm 384 bf16: L1 70 % -> 33 % busy). H200 bf16, 49152
+// rows, bwd µs, two runs each: LayerNorm 264 31.5 -> 29.65, 384 37.45 -> 34.6, 448 44.7 ->
+// 39.6, 512 49.2 -> 42.4; RMSNorm 384 36.3 -> 33.25, 512 46.15 -> 41.65; add+norm 640-768
+// and add_layer_norm 512 1.02-1.03x. Where the row fills under three quarters of the
+// lane's slots the registers cost more than the loads save (RMSNorm 264 26.5 -> 28.1,
+// add_rms_norm 264 33.25 -> 35.15), so there only LayerNorm's, whose registers leave its
+// blocks an SM as they were (127 at 264-384). Knob JAX_OPS_NORM_BWD_HOIST_SCALE=0 turns it off.
+template <typename T, int PACK, int VPT, int WIDTH, typename S>
+bool bwd_hoist_scale(const BwdArgs& a) {
+  static const bool on = env_knob("JAX_OPS_NORM_BWD_HOIST_SCALE", 1) != 0;
+  constexpr bool kLayerNorm = !S::kRms && std::is_base_of_v<StoreDx<T>, S>;
+  return on && (kLayerNorm || a.cols / PACK * 4 >= int64_t(VPT) * WIDTH * 3);
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs_pow2(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
@@ -2528,8 +2571,13 @@ cudaError_t launch_bwd_regs_pow2(const BwdAddArgs& a, cudaStream_t stream, int64
   }
   if constexpr (VPT == 2 && PACK == 8 && std::is_same_v<T, bf16_t> && !S::kRms && std::is_base_of_v<StoreDx<T>, S>) {
     static const int prefetch2 = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH2", 1);
+    if (prefetch2 && bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
+      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, kRegsThreads, true>(a, stream, plan);
     if (prefetch2) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
   }
+  if constexpr ((VPT == 2 || (VPT == 3 && WIDTH == 32)) && PACK == 8 && sizeof(T) == 2)
+    if (bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
+      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1, kRegsThreads, true>(a, stream, plan);
   return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }
 
@@ -2537,6 +2585,8 @@ template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // three packs a lane on 16 lanes: one row a group (two: 1.00-1.08x slower, 135 registers)
   if constexpr (VPT == 3 && WIDTH < 32) {
+    if (bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
+      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1, kRegsThreads, true>(a, stream, plan);
     return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1>(a, stream, plan);
   } else {
     return launch_bwd_regs_pow2<T, P, PACK, VPT, WIDTH, S>(a, stream, plan);

@@ -156,7 +156,8 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
                                          ((20011, 256), "float32"), ((3001, 2048), "bfloat16"),
                                          ((1501, 3000), "float16"), ((2001, 1536), "float16"),
                                          ((20011, 384), "bfloat16"), ((12001, 520), "float16"),
-                                         ((9001, 768), "bfloat16")], ids=str)
+                                         ((9001, 768), "bfloat16"), ((3001, 2056), "bfloat16"),
+                                         ((2001, 3072), "bfloat16"), ((8001, 448), "float16")], ids=str)
 def test_many_rows(op, shape, dtype):
     """More rows than a GPU runs blocks at once: the sm_90 bulk-staged backward (x and dy
     in shared memory, 3 rows a block, dh added as dx is written) refills its stages
@@ -167,7 +168,9 @@ def test_many_rows(op, shape, dtype):
     2048 / 3000: the warp-tier forward's bfloat16 words (h a word at a time) and the bulk
     backward at 129-1024 packs, 3000 columns with the last lane's packs past the row;
     float16 at 1536: the warp tier's Pack (or the block tier: perf-notes, 28th session).
-    384 / 520 / 768: the warp tier at three packs a lane (16 or 32 lanes a row)."""
+    384 / 520 / 768: the warp tier at three packs a lane (16 or 32 lanes a row); 2056 /
+    3072 at twelve a lane (32 lanes; at 2056 one pack past 2048, most slots past the row);
+    448 float16: two packs a lane, the backward's scale in registers across rows."""
     need("cuda")
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"many{op}{shape}{dtype}"), shape, dtype, "float32",
                                             "float32" if op == "add_layer_norm" else None)

@@ -378,7 +378,12 @@ MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30
                     # 264: the backward's three packs a lane on 16 lanes (ragged); 520-3072: the
                     # power-of-two shapes the plain norms keep where add+norm's take 3 / 6 / 12
                     ((30001, 264), "float16"), ((20011, 768), "bfloat16"), ((12001, 520), "float16"),
-                    ((3001, 1528), "bfloat16"), ((2501, 3072), "float16")]
+                    ((3001, 1528), "bfloat16"), ((2501, 3072), "float16"),
+                    # 320-448: the forward's two-row tiles at two packs a lane (persistent grid,
+                    # parameters once a warp; 400 with the second pack on 18 of 32 lanes) and the
+                    # backward's scale in registers; 504: 63 packs, one row a tile
+                    ((20011, 320), "bfloat16"), ((10001, 448), "float16"), ((7001, 400), "bfloat16"),
+                    ((6001, 504), "float16")]
 
 
 @pytest.mark.heavy
