@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Device calls of the thirty-second session (issue 20). Stages:
+# Device calls of the thirty-second session (issue 20). The ncu, vpt2, narrow and hoist
+# stages ran on experiment builds (E, F: benchmarks/results/2026-11-29_H200_s32/README.md)
+# whose knobs the tree no longer has; final_ab and the rest run on the tree. Stages:
 # - ncu: ncu's instructions, issue activity, occupancy, L1 traffic and stall reasons of
 #   the warp tier's forward (LayerNorm bf16 at 256 / 264 / 512 columns, RMSNorm at 264;
 #   LayerNorm 264 with JAX_OPS_NORM_FWD_VPT2=1 and 3) and backward (LayerNorm at 384 /
