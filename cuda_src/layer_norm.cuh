@@ -2560,6 +2560,16 @@ bool bwd_hoist_scale(const BwdArgs& a) {
   return on && (kLayerNorm || a.cols / PACK * 4 >= int64_t(VPT) * WIDTH * 3);
 }
 
+// One row a group, the scale in registers across rows at two or three 16-bit packs a lane
+// where bwd_hoist_scale says so.
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH>
+cudaError_t launch_bwd_regs_row(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  if constexpr ((VPT == 2 || VPT == 3) && PACK == 8 && sizeof(T) == 2)
+    if (bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
+      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, PREFETCH, 1, kRegsThreads, true>(a, stream, plan);
+  return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, PREFETCH, 1>(a, stream, plan);
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs_pow2(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   if constexpr (VPT == 1 && sizeof(T) == 2) {
@@ -2571,23 +2581,19 @@ cudaError_t launch_bwd_regs_pow2(const BwdAddArgs& a, cudaStream_t stream, int64
   }
   if constexpr (VPT == 2 && PACK == 8 && std::is_same_v<T, bf16_t> && !S::kRms && std::is_base_of_v<StoreDx<T>, S>) {
     static const int prefetch2 = env_knob("JAX_OPS_NORM_BWD_REGS_PREFETCH2", 1);
-    if (prefetch2 && bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
-      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1, kRegsThreads, true>(a, stream, plan);
-    if (prefetch2) return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, true, 1>(a, stream, plan);
+    if (prefetch2) return launch_bwd_regs_row<T, P, PACK, VPT, WIDTH, S, true>(a, stream, plan);
   }
-  if constexpr ((VPT == 2 || (VPT == 3 && WIDTH == 32)) && PACK == 8 && sizeof(T) == 2)
-    if (bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
-      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1, kRegsThreads, true>(a, stream, plan);
-  return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
+  if constexpr (VPT >= 2)  // 32 lanes a row: one row a group
+    return launch_bwd_regs_row<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
+  else
+    return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
 }
 
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S>
 cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   // three packs a lane on 16 lanes: one row a group (two: 1.00-1.08x slower, 135 registers)
   if constexpr (VPT == 3 && WIDTH < 32) {
-    if (bwd_hoist_scale<T, PACK, VPT, WIDTH, S>(a))
-      return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1, kRegsThreads, true>(a, stream, plan);
-    return launch_bwd_regs_as<T, P, PACK, VPT, WIDTH, S, false, 1>(a, stream, plan);
+    return launch_bwd_regs_row<T, P, PACK, VPT, WIDTH, S, false>(a, stream, plan);
   } else {
     return launch_bwd_regs_pow2<T, P, PACK, VPT, WIDTH, S>(a, stream, plan);
   }
