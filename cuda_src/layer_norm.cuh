@@ -583,6 +583,7 @@ __device__ __forceinline__ float word_value(uint32_t w, int half) {
 
 template <typename T, int PACK>
 struct RowWords {
+  static constexpr int kValues = PACK;
   static constexpr int kWords = int((sizeof(T) * PACK + 3) / 4);
   uint32_t w[kWords];
   __device__ __forceinline__ void zero() {
@@ -600,6 +601,13 @@ struct RowWords {
         const uint4 q = reinterpret_cast<const uint4*>(p)[i / 4];
         w[i] = q.x; w[i + 1] = q.y; w[i + 2] = q.z; w[i + 3] = q.w;
       }
+    } else if constexpr (sizeof(T) * PACK == 8) {  // through set(), a Pack of 16-bit structs took byte loads
+      const uint2 q = *reinterpret_cast<const uint2*>(p);
+      w[0] = q.x; w[1] = q.y;
+    } else if constexpr (sizeof(T) * PACK == 4) {
+      w[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else if constexpr (sizeof(T) * PACK == 2) {
+      w[0] = *reinterpret_cast<const unsigned short*>(p);
     } else {
       set(*reinterpret_cast<const Pack<T, PACK>*>(p));
     }
@@ -854,6 +862,101 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
   }
 }
 
+// 16-bit rows of 256 + r columns, 0 < r <= 32 * E: a 16-byte pack a lane, and the last r
+// columns E a lane on the first r / E lanes. Held as two packs a lane (fwd_regs_kernel),
+// the second pack's code ran for the warp to serve the one to sixteen lanes holding it:
+// 256 instructions a row at 264 columns against 162 at 256, issue-bound (ncu, thirty-second
+// session). Two rows a tile, a persistent grid with the next tile ahead, the parameters
+// loaded once a warp, as there.
+template <typename T, typename P, int E, typename L>
+__global__ void __launch_bounds__(kRegsThreads) fwd_tail_kernel(typename L::Args a) {
+  static_assert(sizeof(T) == 2 && (E == 1 || E == 2 || E == 4), "16-bit rows, a tail of 1, 2 or 4 values a lane");
+  constexpr int PACK = 8, ROWS = 2;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
+  const int main_col = lane * PACK, tail_col = 32 * PACK + lane * E;
+  const bool has_tail = tail_col < a.cols;
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  struct Tile {
+    RowWords<T, PACK> main[ROWS];
+    RowWords<T, E> tail[ROWS];
+  };
+  const auto load_tile = [&](int64_t tile, Tile& t) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS + r;
+      if (row >= a.rows) continue;
+      t.main[r].load(x + row * a.cols + main_col);
+      if (has_tail) t.tail[r].load(x + row * a.cols + tail_col);
+    }
+  };
+  float sc_main[PACK], bi_main[PACK], sc_tail[E], bi_tail[E];
+  load_param<P, PACK>(a.scale, main_col, 1.f, sc_main);
+  load_param<P, PACK>(a.bias, main_col, 0.f, bi_main);
+  if (has_tail) {
+    load_param<P, E>(a.scale, tail_col, 1.f, sc_tail);
+    load_param<P, E>(a.bias, tail_col, 0.f, bi_tail);
+  }
+  // A piece of a row (the main pack or the tail; N values): its sum of values, or of
+  // squares about `center`, and its output values stored at flat index i.
+  const auto piece_sum = [](const auto& w, float center, bool squares) {
+    constexpr int N = std::remove_reference_t<decltype(w)>::kValues;
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float d = w.template value<false>(k) - center;
+      sum += squares ? d * d : d;
+    }
+    return sum;
+  };
+  const auto piece_out = [&](int64_t i, const auto& w, const RowStats& st, const auto& sc, const auto& bi) {
+    constexpr int N = std::remove_reference_t<decltype(w)>::kValues;
+    float out[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = norm_out_as<T>(w.template value<true>(k), st, sc[k], bi[k]);
+    store_values<T, N>(y + i, out);
+  };
+  const auto finish_tile = [&](int64_t tile, const Tile& t) {
+    const float inv_n = 1.f / float(a.cols);
+    float mean[ROWS], q[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      mean[r] = L::kRms ? 0.f : piece_sum(t.main[r], 0.f, false) + (has_tail ? piece_sum(t.tail[r], 0.f, false) : 0.f);
+    if constexpr (!L::kRms) {
+      group_sums<32, ROWS>(mean);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) mean[r] *= inv_n;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      q[r] = piece_sum(t.main[r], mean[r], true) + (has_tail ? piece_sum(t.tail[r], mean[r], true) : 0.f);
+    group_sums<32, ROWS>(q);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS + r;
+      if (row >= a.rows) continue;
+      const RowStats st{mean[r], rsqrt_f32(q[r] * inv_n + a.eps)};
+      piece_out(row * a.cols + main_col, t.main[r], st, sc_main, bi_main);
+      if (has_tail) piece_out(row * a.cols + tail_col, t.tail[r], st, sc_tail, bi_tail);
+      if (lane == 0 && a.rstd != nullptr) {
+        if (a.mean != nullptr) a.mean[row] = st.mean;
+        a.rstd[row] = st.rstd;
+      }
+    }
+  };
+  // Warp-uniform loop: every lane takes part in the shuffles, rows past the end are masked.
+  int64_t tile = int64_t(blockIdx.x) * (kRegsThreads / 32) + threadIdx.x / 32;
+  Tile cur;
+  if (tile * ROWS < a.rows) load_tile(tile, cur);
+  for (; tile * ROWS < a.rows; tile += warps_total) {
+    Tile next;
+    if ((tile + warps_total) * ROWS < a.rows) load_tile(tile + warps_total, next);
+    finish_tile(tile, cur);
+    cur = next;
+  }
+}
+
 // Pack v's output values into a row starting at y (the split layout: split_col).
 template <typename T, int PACK, bool SPLIT>
 __device__ __forceinline__ void store_row_pack(T* y, int64_t v, const float (&out)[PACK]) {
@@ -1021,44 +1124,13 @@ __global__ void __launch_bounds__(512, 3) fwd_cluster_split_kernel(typename L::A
 
 // --------------------------------------------------------------- backward ---
 
-// The dscale/dbias partials of a block of row groups (WIDTH lanes a row, packs v * WIDTH +
-// glane of every row). A warp's groups hold the same columns: their sums are first added
-// across the warp (a fixed xor tree, the same value in every lane), then each warp's go
-// to shared memory `red` ([2][warps][cols] floats), are added in warp order (in runs
-// first where the block has more threads than columns to add) into row blockIdx of the
-// workspace. Every thread of the block calls it. Launched in a cluster only to merge its
-// blocks' partials (bwd_group_merge_blocks): each block's sums go to row 0 of its buffers
-// (a column is read and rewritten by the same thread), then block rank r adds every
-// cs-th run of THREADS columns over the cluster's blocks in rank order, into row
-// blockIdx / cs. DB: whether there are dbias partials (not for RMSNorm).
-template <int PACK, int VPT, int WIDTH, int THREADS, bool DB>
-__device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float (&ds)[VPT * PACK],
-                                                         float (&db)[VPT * PACK], float* red, float* part_ds,
-                                                         float* part_db) {
-  constexpr int N = VPT * PACK, WARPS = THREADS / 32;
-  static_assert(WIDTH <= 32 && THREADS % 32 == 0, "groups within a warp");
-  const int warp = threadIdx.x / 32, glane = threadIdx.x % WIDTH;
-#pragma unroll
-  for (int off = WIDTH; off < 32; off *= 2)
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      ds[i] += __shfl_xor_sync(0xffffffffu, ds[i], off);
-      if constexpr (DB) db[i] += __shfl_xor_sync(0xffffffffu, db[i], off);
-    }
+// A block's dscale/dbias partials from each warp's sums in `red` ([2][warps][cols], written
+// by the block's threads before the call; bwd_group_store_partials describes the order).
+template <int THREADS, bool DB>
+__device__ __forceinline__ void bwd_block_sum_partials(const BwdArgs& a, float* red, float* part_ds, float* part_db) {
+  constexpr int WARPS = THREADS / 32;
   float* red_ds = red;
   float* red_db = red + WARPS * a.cols;
-  if (int(threadIdx.x % 32) < WIDTH) {
-#pragma unroll
-    for (int v = 0; v < VPT; ++v) {
-      const int64_t col = int64_t(v * WIDTH + glane) * PACK;
-      if (col >= a.cols) continue;
-#pragma unroll
-      for (int k = 0; k < PACK; ++k) {
-        red_ds[warp * a.cols + col + k] = ds[v * PACK + k];
-        if constexpr (DB) red_db[warp * a.cols + col + k] = db[v * PACK + k];
-      }
-    }
-  }
   __syncthreads();
   const int cs = launched_cluster_size();
   // Bigger blocks: runs of `per` warp rows, each summed into its first row first, with
@@ -1105,6 +1177,47 @@ __device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float
     if (DB && part_db) part_db[part * a.cols + col] = s_db;
   }
   cluster_sync();  // no block leaves while another still reads its shared memory
+}
+
+// The dscale/dbias partials of a block of row groups (WIDTH lanes a row, packs v * WIDTH +
+// glane of every row). A warp's groups hold the same columns: their sums are first added
+// across the warp (a fixed xor tree, the same value in every lane), then each warp's go
+// to shared memory `red` ([2][warps][cols] floats), are added in warp order (in runs
+// first where the block has more threads than columns to add) into row blockIdx of the
+// workspace. Every thread of the block calls it. Launched in a cluster only to merge its
+// blocks' partials (bwd_group_merge_blocks): each block's sums go to row 0 of its buffers
+// (a column is read and rewritten by the same thread), then block rank r adds every
+// cs-th run of THREADS columns over the cluster's blocks in rank order, into row
+// blockIdx / cs. DB: whether there are dbias partials (not for RMSNorm).
+template <int PACK, int VPT, int WIDTH, int THREADS, bool DB>
+__device__ __forceinline__ void bwd_group_store_partials(const BwdArgs& a, float (&ds)[VPT * PACK],
+                                                         float (&db)[VPT * PACK], float* red, float* part_ds,
+                                                         float* part_db) {
+  constexpr int N = VPT * PACK, WARPS = THREADS / 32;
+  static_assert(WIDTH <= 32 && THREADS % 32 == 0, "groups within a warp");
+  const int warp = threadIdx.x / 32, glane = threadIdx.x % WIDTH;
+#pragma unroll
+  for (int off = WIDTH; off < 32; off *= 2)
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      ds[i] += __shfl_xor_sync(0xffffffffu, ds[i], off);
+      if constexpr (DB) db[i] += __shfl_xor_sync(0xffffffffu, db[i], off);
+    }
+  float* red_ds = red;
+  float* red_db = red + WARPS * a.cols;
+  if (int(threadIdx.x % 32) < WIDTH) {
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      const int64_t col = int64_t(v * WIDTH + glane) * PACK;
+      if (col >= a.cols) continue;
+#pragma unroll
+      for (int k = 0; k < PACK; ++k) {
+        red_ds[warp * a.cols + col + k] = ds[v * PACK + k];
+        if constexpr (DB) red_db[warp * a.cols + col + k] = db[v * PACK + k];
+      }
+    }
+  }
+  bwd_block_sum_partials<THREADS, DB>(a, red, part_ds, part_db);
 }
 
 // The lane's scale values of a row group (packs v * WIDTH + glane; 0 past the row's end).
@@ -1307,6 +1420,110 @@ __global__ void __launch_bounds__(THREADS,
   if (part_ds == nullptr && part_db == nullptr) return;
   extern __shared__ float red[];  // [2 (RMSNorm: 1)][warps][cols]
   bwd_group_store_partials<PACK, VPT, WIDTH, THREADS, !S::kRms>(a, ds, db, red, part_ds, part_db);
+}
+
+// The backward of fwd_tail_kernel's rows (16-bit, 256 + r columns, 0 < r <= 32 * E, a
+// 16-byte pack a lane and the last r columns E a lane on the first r / E lanes): one row a
+// warp, the next row loaded ahead (a persistent grid), the scale and the lane's
+// dscale/dbias partials in registers across rows. At two packs a lane (bwd_regs_kernel)
+// the second pack's code ran for the warp to serve the lanes holding it.
+template <typename T, typename P, int E, typename S>
+__global__ void __launch_bounds__(kRegsThreads) bwd_tail_kernel(typename S::Args a, float* part_ds, float* part_db) {
+  static_assert(sizeof(T) == 2 && (E == 1 || E == 2 || E == 4), "16-bit rows, a tail of 1, 2 or 4 values a lane");
+  constexpr int PACK = 8, WARPS = kRegsThreads / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t warps_total = int64_t(gridDim.x) * WARPS;
+  const int main_col = lane * PACK, tail_col = 32 * PACK + lane * E;
+  const bool has_tail = tail_col < a.cols;
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  const S store(a);
+  float sc_m[PACK], sc_t[E], ds_m[PACK], db_m[PACK], ds_t[E], db_t[E];
+  load_param<P, PACK>(a.scale, main_col, 1.f, sc_m);
+#pragma unroll
+  for (int k = 0; k < PACK; ++k) ds_m[k] = db_m[k] = 0.f;
+#pragma unroll
+  for (int k = 0; k < E; ++k) sc_t[k] = ds_t[k] = db_t[k] = 0.f;
+  if (has_tail) load_param<P, E>(a.scale, tail_col, 1.f, sc_t);
+  struct Row {
+    RowWords<T, PACK> xm, dm;
+    RowWords<T, E> xt, dt;
+    float mean, rstd;
+  };
+  const auto load_row = [&](int64_t row, Row& r) {
+    if (row >= a.rows) return;
+    r.mean = S::kRms ? 0.f : a.mean[row];
+    r.rstd = a.rstd[row];
+    const int64_t base = row * a.cols;
+    r.xm.load(x + base + main_col);
+    r.dm.load(dy + base + main_col);
+    if (has_tail) {
+      r.xt.load(x + base + tail_col);
+      r.dt.load(dy + base + tail_col);
+    }
+    if constexpr (S::kPrefetch) {  // after the row's loads: none waits on these
+      store.prefetch(base + main_col);
+      if (has_tail) store.prefetch(base + tail_col);
+    }
+  };
+  // A piece of a row (the main pack or the tail; N values of x and dy): its sums of g and
+  // g·xhat, and its dx stored at flat index i, dy·xhat and dy added to its partials.
+  const auto piece_sums = [](const Row& r, const auto& xw, const auto& dw, const auto& sc, float& sum_g, float& sum_gx) {
+    constexpr int N = std::remove_reference_t<decltype(xw)>::kValues;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float g = dw.template value<false>(k) * sc[k];
+      sum_g += g;
+      sum_gx += g * norm_xhat<T>(xw.template value<false>(k), r.mean, r.rstd);
+    }
+  };
+  const auto piece_dx = [&](int64_t i, const Row& r, const auto& xw, const auto& dw, const auto& sc, float mg,
+                            float mgx, auto& ds, auto& db) {
+    constexpr int N = std::remove_reference_t<decltype(xw)>::kValues;
+    float out[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float d = dw.template value<true>(k), xh = norm_xhat<T>(xw.template value<true>(k), r.mean, r.rstd);
+      out[k] = norm_dx_of<S::kRms>(d * sc[k], xh, r.rstd, mg, mgx);
+      ds[k] += d * xh;
+      db[k] += d;
+    }
+    store(i, out);
+  };
+  const auto reduce_row = [&](int64_t row, const Row& r) {
+    float sum_g = 0.f, sum_gx = 0.f;
+    piece_sums(r, r.xm, r.dm, sc_m, sum_g, sum_gx);
+    if (has_tail) piece_sums(r, r.xt, r.dt, sc_t, sum_g, sum_gx);
+    const float inv_n = 1.f / float(a.cols);
+    const float mg = S::kRms ? 0.f : group_sum<32>(sum_g) * inv_n;
+    const float mgx = group_sum<32>(sum_gx) * inv_n;
+    piece_dx(row * a.cols + main_col, r, r.xm, r.dm, sc_m, mg, mgx, ds_m, db_m);
+    if (has_tail) piece_dx(row * a.cols + tail_col, r, r.xt, r.dt, sc_t, mg, mgx, ds_t, db_t);
+  };
+  // Warp-uniform: a warp's rows are its own, every lane takes part in the shuffles.
+  int64_t row = int64_t(blockIdx.x) * WARPS + warp;
+  Row cur;
+  load_row(row, cur);
+  for (; row < a.rows; row += warps_total) {
+    Row next;
+    load_row(row + warps_total, next);
+    reduce_row(row, cur);
+    cur = next;
+  }
+  if (part_ds == nullptr && part_db == nullptr) return;
+  extern __shared__ float red[];  // [2 (RMSNorm: 1)][warps][cols]
+  float* red_ds = red + warp * a.cols;
+  float* red_db = red + (WARPS + warp) * a.cols;
+  const auto piece_partials = [&](int col, const auto& ds, const auto& db) {
+#pragma unroll
+    for (int k = 0; k < int(std::extent_v<std::remove_reference_t<decltype(ds)>>); ++k) {
+      red_ds[col + k] = ds[k];
+      if constexpr (!S::kRms) red_db[col + k] = db[k];
+    }
+  };
+  piece_partials(main_col, ds_m, db_m);
+  if (has_tail) piece_partials(tail_col, ds_t, db_t);
+  bwd_block_sum_partials<kRegsThreads, !S::kRms>(a, red, part_ds, part_db);
 }
 
 // Block (or cluster) per row; each thread owns K packs of every row (fixed
@@ -2074,6 +2291,17 @@ cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream, bool 
   return cudaGetLastError();
 }
 
+template <typename T, typename P, int E, typename L>
+cudaError_t launch_fwd_tail(const FwdAddArgs& a, cudaStream_t stream) {
+  auto kernel = fwd_tail_kernel<T, P, E, L>;
+  int blocks = 0;
+  const int64_t needed = (a.rows + 2 * (kRegsThreads / 32) - 1) / (2 * (kRegsThreads / 32));
+  cudaError_t err = resident_blocks(kernel, kRegsThreads, 0, needed, &blocks);
+  if (err != cudaSuccess) return err;
+  kernel<<<blocks, kRegsThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, typename L>
 cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
   // Rows a group of fewer than 32 lanes: 2 for a plain norm, 1 for add+norm, whose
@@ -2103,7 +2331,19 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
     // rows a tile alone, or the persistent grid alone: up to 1.11x slower; 8 lanes a row at 5-8
     // packs: LayerNorm 264 18.5 but 1.05-1.13x slower from 384 (docs/perf-notes.md,
     // thirty-second session). Knob JAX_OPS_NORM_FWD_VPT2_TILE=0 turns it off.
+    // 257-384 columns: the last cols - 256 spread over the lanes, 1, 2 or 4 a lane
+    // (fwd_tail_kernel): H200, 49152 rows, fwd µs, bf16 (f16), against the rule below:
+    // LayerNorm 264 19.05 -> 15.8 (19.7 -> 15.8), 320 19.5 -> 17.8, 336 19.95 -> 19.6, 384
+    // 22.0 -> 20.9 (21.6 -> 21.2); RMSNorm 264 16.55 -> 15.1, 384 21.15 -> 20.5
+    // (docs/perf-notes.md, thirty-third session). Knob JAX_OPS_NORM_FWD_TAIL=0 turns it off.
     static const bool tile2 = env_knob("JAX_OPS_NORM_FWD_VPT2_TILE", 1) != 0;
+    static const bool tail = env_knob("JAX_OPS_NORM_FWD_TAIL", 1) != 0;
+    if (tail && a.cols <= 32 * PACK + 128) {
+      const int64_t r = a.cols - 32 * PACK;
+      if (r <= 32) return launch_fwd_tail<T, P, 1, L>(a, stream);
+      if (r <= 64) return launch_fwd_tail<T, P, 2, L>(a, stream);
+      return launch_fwd_tail<T, P, 4, L>(a, stream);
+    }
     if (tile2 && a.cols / PACK <= (L::kRms ? 48 : 56))
       return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 2, L>(a, stream, true);
     return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 1, L>(a, stream);
@@ -2476,25 +2716,18 @@ bool launch_bwd_rows_bulk(const BwdAddArgs& a, cudaStream_t stream, int64_t* pla
   return true;
 }
 
-template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH,
-          int ROWS = (WIDTH < 32 ? 2 : 1), int THREADS = kRegsThreads, bool HOIST = false>
-cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
-  // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
-  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2 && std::is_base_of_v<StoreDx<T>, S>) {
-    cudaError_t err = cudaSuccess;
-    if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
-  }
-  // ROWS rows a group; without the next tile's prefetch (float32, or the knob off) two
-  // below 32 lanes (H100, 16-bit, 32-256 columns: 1 and 2 within 0.5 µs of each other).
-  constexpr int ROWS_PER_BLOCK = (THREADS / WIDTH) * ROWS;
-  auto kernel = bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH, THREADS, HOIST>;
+// The grid of a warp-tier backward kernel (rows_per_block rows a block of THREADS
+// threads, a row a warp of each partial array in shared memory): resident blocks, or with
+// partials on sm_90 clusters merging them; its partial rows, workspace and column sums.
+template <typename T, typename P, typename S, int THREADS, typename Kernel>
+cudaError_t launch_bwd_warps(Kernel kernel, int64_t rows_per_block, const BwdAddArgs& a, cudaStream_t stream,
+                             int64_t* plan) {
   const bool partials = wants_param_grads(a);
   // a row a warp of each partial array (RMSNorm's one: dscale)
   const size_t smem = partials ? (S::kRms ? 1 : 2) * size_t(THREADS / 32) * size_t(a.cols) * sizeof(float) : 0;
   cudaError_t err;
   if ((err = allow_smem(kernel, smem)) != cudaSuccess) return err;
-  const int64_t work_blocks = (a.rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+  const int64_t work_blocks = (a.rows + rows_per_block - 1) / rows_per_block;
   // With partials on sm_90: clusters of cs blocks, one partial row each.
   int cs = partials && clusters_supported(kernel) ? bwd_group_merge_blocks(a) : 1;
   if (cs > 1) {
@@ -2515,6 +2748,22 @@ cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t
     kernel<<<unsigned(parts), THREADS, smem, stream>>>(a, ds, db);
     return cudaGetLastError();
   });
+}
+
+template <typename T, typename P, int PACK, int VPT, int WIDTH, typename S, bool PREFETCH,
+          int ROWS = (WIDTH < 32 ? 2 : 1), int THREADS = kRegsThreads, bool HOIST = false>
+cudaError_t launch_bwd_regs_as(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  // float32 rows of two or more packs a lane (256+ columns) of the plain norms are staged
+  // by bulk copies; at one pack a lane (<= 128) the register kernel measured 1-4 % faster.
+  if constexpr (sizeof(T) == 4 && PACK * sizeof(T) == 16 && VPT >= 2 && std::is_base_of_v<StoreDx<T>, S>) {
+    cudaError_t err = cudaSuccess;
+    if (launch_bwd_rows_bulk<T, P, PACK, VPT, WIDTH, S>(a, stream, plan, &err)) return err;
+  }
+  // ROWS rows a group; without the next tile's prefetch (float32, or the knob off) two
+  // below 32 lanes (H100, 16-bit, 32-256 columns: 1 and 2 within 0.5 µs of each other).
+  constexpr int ROWS_PER_BLOCK = (THREADS / WIDTH) * ROWS;
+  return launch_bwd_warps<T, P, S, THREADS>(bwd_regs_kernel<T, P, PACK, VPT, WIDTH, ROWS, S, PREFETCH, THREADS, HOIST>,
+                                            ROWS_PER_BLOCK, a, stream, plan);
 }
 
 // Where a lane holds one 16-bit pack below 32 lanes a row (up to 128 columns), the
@@ -2607,10 +2856,34 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
 // (add_layer_norm 640 80.75 -> 74.65, 768 92.35 -> 86.8; add_rms_norm 1.01-1.06x;
 // LayerNorm the same, RMSNorm 640 1.04x slower). Knob JAX_OPS_NORM_BWD_REGS_THIRDS=0
 // turns them off.
+template <typename T, typename P, int E, typename S>
+cudaError_t launch_bwd_tail(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  return launch_bwd_warps<T, P, S, kRegsThreads>(bwd_tail_kernel<T, P, E, S>, kRegsThreads / 32, a, stream, plan);
+}
+
 template <typename T, typename P, int PACK, typename S>
 cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   static const bool thirds = env_knob("JAX_OPS_NORM_BWD_REGS_THIRDS", 1) != 0;
   constexpr bool kAdd = std::is_base_of_v<StoreDxAddDh<T>, S>;
+  // 16-bit rows of 257-384 columns: the last cols - 256 spread over the lanes
+  // (bwd_tail_kernel), where that measured faster than two packs a lane on 32 lanes (or
+  // three on 16). H200, 49152 rows, bwd µs, bf16, tail against not, two runs each
+  // (docs/perf-notes.md, thirty-third session): at 1 a lane (264-288) every op (LayerNorm
+  // 264 29.6 -> 28.85, add_layer_norm 264 39.45 -> 35.35, add_rms_norm 264 33.35 -> 32.1);
+  // at 2 (296-320) LayerNorm 296 the same, 320 31.45 -> 32.05 (f16 32.1 -> 32.6), so not
+  // LayerNorm; at 2 or 4 add_rms_norm 1.01x slower (320 37.25 -> 37.7, 384 43.15 -> 43.6),
+  // so not it; RMSNorm 288 29.0 -> 27.1, add_layer_norm 320 43.05 -> 40.55, LayerNorm 384
+  // 34.55 -> 33.4. Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
+  if constexpr (sizeof(T) == 2 && PACK == 8) {
+    static const bool tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1) != 0;
+    constexpr bool kLayerNorm = !kAdd && !S::kRms, kAddRms = kAdd && S::kRms;
+    if (tail && a.cols > 32 * PACK && a.cols <= 32 * PACK + 128) {
+      const int64_t r = a.cols - 32 * PACK;
+      if (r <= 32) return launch_bwd_tail<T, P, 1, S>(a, stream, plan);
+      if (r <= 64 && !kLayerNorm && !kAddRms) return launch_bwd_tail<T, P, 2, S>(a, stream, plan);
+      if (r > 64 && !kAddRms) return launch_bwd_tail<T, P, 4, S>(a, stream, plan);
+    }
+  }
   return dispatch_group_shape_thirds<PACK, kRegsMaxCols, kThirdsTypes<T, PACK> && !kAdd, kThirdsTypes<T, PACK> && kAdd>(
       a.cols / PACK, thirds, [&](auto vpt, auto width) {
         return launch_bwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, S>(a, stream, plan);

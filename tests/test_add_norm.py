@@ -132,6 +132,31 @@ def _matrix():
     return params
 
 
+# 16-bit rows of 257-384 columns: the cuda backward holds a 16-byte pack a lane and the
+# last cols - 256 columns 1, 2 or 4 a lane on the first lanes (bwd_tail_kernel); each
+# parameter variant and cotangent, odd row counts.
+TAIL_CASES = [(cols, dtype, i) for i, (cols, dtype) in enumerate(
+    [(264, "bfloat16"), (280, "float16"), (296, "bfloat16"), (320, "float16"), (336, "bfloat16"),
+     (384, "float16")])]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("cols,dtype,i", TAIL_CASES)
+def test_tail_widths(op, impl, cols, dtype, i):
+    need(impl)
+    sv, bv = PARAM_VARIANTS[op][i % len(PARAM_VARIANTS[op])]
+    sdt = {"f32": "float32", "x": dtype, None: None}[sv]
+    bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+    cts = COTANGENTS[i % len(COTANGENTS)]
+    x, r, scale, bias, dy, dh = make_inputs(seed_of(f"tail{op}{cols}{dtype}"), (41 + 2 * i, cols), dtype, sdt, bdt)
+    run = fwd_bwd_fn(op, impl, cts)
+    nan = jnp.full_like(x, jnp.nan)
+    jax.block_until_ready(run(nan, nan, scale, bias, nan, nan))
+    out, grads = run(x, r, scale, bias, dy, dh)
+    check(op, x, r, scale, bias, dy, dh, out, grads, cotangents=cts)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op,dtype,shape,sdt,bdt,cts", _matrix())
 def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
@@ -157,7 +182,8 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
                                          ((1501, 3000), "float16"), ((2001, 1536), "float16"),
                                          ((20011, 384), "bfloat16"), ((12001, 520), "float16"),
                                          ((9001, 768), "bfloat16"), ((3001, 2056), "bfloat16"),
-                                         ((2001, 3072), "bfloat16"), ((8001, 448), "float16")], ids=str)
+                                         ((2001, 3072), "bfloat16"), ((8001, 448), "float16"),
+                                         ((20001, 264), "bfloat16"), ((15001, 328), "float16")], ids=str)
 def test_many_rows(op, shape, dtype):
     """More rows than a GPU runs blocks at once: the sm_90 bulk-staged backward (x and dy
     in shared memory, 3 rows a block, dh added as dx is written) refills its stages
@@ -170,7 +196,8 @@ def test_many_rows(op, shape, dtype):
     float16 at 1536: the warp tier's Pack (or the block tier: perf-notes, 28th session).
     384 / 520 / 768: the warp tier at three packs a lane (16 or 32 lanes a row); 2056 /
     3072 at twelve a lane (32 lanes; at 2056 one pack past 2048, most slots past the row);
-    448 float16: two packs a lane, the backward's scale in registers across rows."""
+    448 float16: two packs a lane, the backward's scale in registers across rows. 264 / 328:
+    the backward's last columns spread over the lanes (bwd_tail_kernel)."""
     need("cuda")
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"many{op}{shape}{dtype}"), shape, dtype, "float32",
                                             "float32" if op == "add_layer_norm" else None)

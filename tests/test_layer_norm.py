@@ -383,7 +383,10 @@ MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30
                     # parameters once a warp; 400 with the second pack on 18 of 32 lanes) and the
                     # backward's scale in registers; 504: 63 packs, one row a tile
                     ((20011, 320), "bfloat16"), ((10001, 448), "float16"), ((7001, 400), "bfloat16"),
-                    ((6001, 504), "float16")]
+                    ((6001, 504), "float16"),
+                    # 264-384: the forward's last columns spread over the lanes, 1 / 2 / 4 a lane
+                    # on 8-32 of them (fwd_tail_kernel)
+                    ((20001, 296), "bfloat16"), ((15001, 328), "float16"), ((9, 272), "bfloat16")]
 
 
 @pytest.mark.heavy
@@ -398,6 +401,30 @@ def test_many_rows(op, shape, dtype):
     jax.block_until_ready(run(jnp.full_like(x, jnp.nan), scale, bias, jnp.full_like(dy, jnp.nan)))
     y, grads = run(x, scale, bias, dy)
     check_against_reference(op, x, scale, bias, dy, y, grads, tol=TOL_HEAVY_F32 if dtype == "float32" else None)
+
+
+# 16-bit rows of 257-384 columns: the cuda forward holds a 16-byte pack a lane and the
+# last cols - 256 columns 1, 2 or 4 a lane on the first lanes (fwd_tail_kernel); each
+# parameter variant, odd row counts (a last tile of one row).
+TAIL_CASES = [(cols, dtype, variant) for i, (cols, dtype) in enumerate(
+    [(264, "bfloat16"), (272, "float16"), (288, "bfloat16"), (296, "float16"), (320, "bfloat16"),
+     (328, "float16"), (360, "bfloat16"), (384, "float16")]) for variant in range(i % 2, 5, 2)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("cols,dtype,variant", TAIL_CASES)
+def test_tail_widths(op, impl, cols, dtype, variant):
+    need(impl)
+    sv, bv = PARAM_VARIANTS[op][variant % len(PARAM_VARIANTS[op])]
+    sdt = {"f32": "float32", "x": dtype, None: None}[sv]
+    bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+    x, scale, bias, dy = make_inputs(seed_of(f"tail{op}{cols}{dtype}{variant}"), (37 + 2 * variant, cols), dtype,
+                                     sdt, bdt)
+    run = fwd_bwd_fn(op, impl)
+    jax.block_until_ready(run(jnp.full_like(x, jnp.nan), scale, bias, jnp.full_like(dy, jnp.nan)))
+    y, grads = run(x, scale, bias, dy)
+    check_against_reference(op, x, scale, bias, dy, y, grads)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
