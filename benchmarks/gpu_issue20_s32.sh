@@ -47,11 +47,6 @@ if has ncu; then
       math_pipe_throttle dispatch_stall drain branch_resolving; do
     M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
   done
-  ncu_case() {  # NAME KERNEL-REGEX SKIP SCRIPT ARGS (env as set by the caller)
-    echo "#### $1"
-    timeout 120 ncu --kernel-name regex:$2 --launch-skip $3 --launch-count 1 --metrics $M python3 "${@:4}" 2>&1 |
-      grep -E "inst_exec|registers|warps_active|duration|dram__|issue_active|stalled|grid_size|l1tex|lts__|ERR|rror"
-  }
   {
     for c in 256 264 512; do ncu_case "LN fwd $c" fwd_regs_kernel 0 benchmarks/norm_fwd_ncu.py $c; done
     ncu_case "RMS fwd 264" fwd_regs_kernel 6 benchmarks/norm_fwd_ncu.py 264

@@ -143,3 +143,11 @@ cfg_sweep() {
   grep -E "^== |^[a-z_]+ (fwd|bwd|fwd_bwd) " "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
 }
+# ncu's metrics M (a comma list, set by the caller) of one launch of the kernels matching
+# KERNEL-REGEX after SKIP others, in python3 SCRIPT ARGS (env as set by the caller); the
+# metric lines to stdout: ncu_case NAME KERNEL-REGEX SKIP SCRIPT ARGS...
+ncu_case() {
+  echo "#### $1"
+  timeout 120 ncu --kernel-name regex:$2 --launch-skip $3 --launch-count 1 --metrics $M python3 "${@:4}" 2>&1 |
+    grep -E "inst_exec|registers|warps_active|duration|dram__|issue_active|stalled|grid_size|l1tex|lts__|ERR|rror"
+}

@@ -590,7 +590,8 @@ struct RowWords {
 #pragma unroll
     for (int i = 0; i < kWords; ++i) w[i] = 0u;
   }
-  // The pack at p, in 16-byte words where it has whole ones: through a Pack of 16-bit
+  // The pack at p as 32-bit words: 16-byte loads where it has whole ones, else one 8-, 4-
+  // or 2-byte load (the tail kernels' last columns, unvectorized rows). Through a Pack of 16-bit
   // structs, ptxas kept float16 values one a register (fwd_block_regs_kernel at 6 packs
   // spilled 24 / 48 bytes, bfloat16 8 / 8), and merged 16-bit halves with PRMT (the
   // 16-bit cluster backward's loop: 770 instructions a pair of rows, 674 this way).
@@ -2330,7 +2331,8 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
     // 1.02-1.03x slower, so not there. float16 the same (LayerNorm 264 20.5 -> 19.7). Two
     // rows a tile alone, or the persistent grid alone: up to 1.11x slower; 8 lanes a row at 5-8
     // packs: LayerNorm 264 18.5 but 1.05-1.13x slower from 384 (docs/perf-notes.md,
-    // thirty-second session). Knob JAX_OPS_NORM_FWD_VPT2_TILE=0 turns it off.
+    // thirty-second session). Knob JAX_OPS_NORM_FWD_VPT2_TILE=0 turns it off. With the tail
+    // rule below on, it serves LayerNorm's 49-56 packs (392-448 columns) only.
     // 257-384 columns: the last cols - 256 spread over the lanes, 1, 2 or 4 a lane
     // (fwd_tail_kernel): H200, 49152 rows, fwd µs, bf16 (f16), against the rule below:
     // LayerNorm 264 19.05 -> 15.8 (19.7 -> 15.8), 320 19.5 -> 17.8, 336 19.95 -> 19.6, 384
@@ -2848,6 +2850,11 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
   }
 }
 
+template <typename T, typename P, int E, typename S>
+cudaError_t launch_bwd_tail(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
+  return launch_bwd_warps<T, P, S, kRegsThreads>(bwd_tail_kernel<T, P, E, S>, kRegsThreads / 32, a, stream, plan);
+}
+
 // The backward's row shapes with no idle slot (dispatch_group_shape_thirds), where they
 // measured faster (H200 bf16, 49152 rows, µs against the power-of-two shapes; two runs
 // each, docs/perf-notes.md): the plain norms on 16 lanes, one row a group (LayerNorm 320
@@ -2855,12 +2862,8 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
 // add+norm: add_layer_norm 1.00-1.02x, add_rms_norm 1.02-1.03x slower); add+norm on 32 lanes
 // (add_layer_norm 640 80.75 -> 74.65, 768 92.35 -> 86.8; add_rms_norm 1.01-1.06x;
 // LayerNorm the same, RMSNorm 640 1.04x slower). Knob JAX_OPS_NORM_BWD_REGS_THIRDS=0
-// turns them off.
-template <typename T, typename P, int E, typename S>
-cudaError_t launch_bwd_tail(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  return launch_bwd_warps<T, P, S, kRegsThreads>(bwd_tail_kernel<T, P, E, S>, kRegsThreads / 32, a, stream, plan);
-}
-
+// turns them off. At 257-384 16-bit columns the tail rule below comes first (of the
+// 16-lane shapes there, LayerNorm's at 289-320 remain).
 template <typename T, typename P, int PACK, typename S>
 cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   static const bool thirds = env_knob("JAX_OPS_NORM_BWD_REGS_THIRDS", 1) != 0;
@@ -2873,7 +2876,8 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   // at 2 (296-320) LayerNorm 296 the same, 320 31.45 -> 32.05 (f16 32.1 -> 32.6), so not
   // LayerNorm; at 2 or 4 add_rms_norm 1.01x slower (320 37.25 -> 37.7, 384 43.15 -> 43.6),
   // so not it; RMSNorm 288 29.0 -> 27.1, add_layer_norm 320 43.05 -> 40.55, LayerNorm 384
-  // 34.55 -> 33.4. Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
+  // 34.55 -> 33.4; at 4 RMSNorm 336 bf16 31.1 -> 30.8, f16 31.1 -> 31.4, 384 both faster.
+  // Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
     static const bool tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1) != 0;
     constexpr bool kLayerNorm = !kAdd && !S::kRms, kAddRms = kAdd && S::kRms;
