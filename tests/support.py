@@ -38,6 +38,14 @@ def need(op: str, impl: str | None) -> None:
                     f"(available: {can}{why})")
 
 
+def param_dtypes(variants, i: int, dtype: str) -> tuple[str | None, str | None]:
+    """The (scale, bias) dtypes of variant i (cycled) of a norm test's variants: "f32" is
+    float32, "x" the input's dtype, None an absent parameter."""
+    names = {"f32": "float32", "x": dtype, None: None}
+    sv, bv = variants[i % len(variants)]
+    return names[sv], names[bv]
+
+
 def primitive_names(closed_jaxpr) -> set[str]:
     """Names of the primitives in a jaxpr, nested bodies (jit, scan, cond) included."""
     from jax_ops.core.calls import equations

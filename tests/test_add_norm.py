@@ -123,9 +123,7 @@ def _matrix():
         for i, (dtype, cols) in enumerate((d, c) for d in DTYPES for c in COLS):
             shapes = LONG_SHAPES if cols > 8192 else SHAPES
             shape = shapes[i % len(shapes)] + (cols,)
-            sv, bv = PARAM_VARIANTS[op][i % len(PARAM_VARIANTS[op])]
-            sdt = {"f32": "float32", "x": dtype, None: None}[sv]
-            bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+            sdt, bdt = support.param_dtypes(PARAM_VARIANTS[op], i, dtype)
             cts = COTANGENTS[i % len(COTANGENTS)]
             cid = f"{op}-{dtype}-{'x'.join(map(str, shape))}-scale_{sdt}-bias_{bdt}-ct_{cts}"
             params.append(pytest.param(op, dtype, shape, sdt, bdt, cts, id=cid))
@@ -145,9 +143,7 @@ TAIL_CASES = [(cols, dtype, i) for i, (cols, dtype) in enumerate(
 @pytest.mark.parametrize("cols,dtype,i", TAIL_CASES)
 def test_tail_widths(op, impl, cols, dtype, i):
     need(impl)
-    sv, bv = PARAM_VARIANTS[op][i % len(PARAM_VARIANTS[op])]
-    sdt = {"f32": "float32", "x": dtype, None: None}[sv]
-    bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+    sdt, bdt = support.param_dtypes(PARAM_VARIANTS[op], i, dtype)
     cts = COTANGENTS[i % len(COTANGENTS)]
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"tail{op}{cols}{dtype}"), (41 + 2 * i, cols), dtype, sdt, bdt)
     run = fwd_bwd_fn(op, impl, cts)

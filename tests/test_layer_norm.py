@@ -198,9 +198,7 @@ def _matrix():
         for i, (dtype, cols) in enumerate((d, c) for d in DTYPES for c in COLS):
             shapes = HEAVY_SHAPES if cols >= 16384 else SHAPES
             lead = shapes[i % len(shapes)]
-            sv, bv = variants[i % len(variants)]
-            sdt = {"f32": "float32", "x": dtype, None: None}[sv]
-            bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+            sdt, bdt = support.param_dtypes(variants, i, dtype)
             shape = lead + (cols,)
             cid = f"{op}-{dtype}-{'x'.join(map(str, shape))}-scale_{sdt}-bias_{bdt}"
             marks = [pytest.mark.heavy] if cols >= 16384 else []
@@ -416,9 +414,7 @@ TAIL_CASES = [(cols, dtype, variant) for i, (cols, dtype) in enumerate(
 @pytest.mark.parametrize("cols,dtype,variant", TAIL_CASES)
 def test_tail_widths(op, impl, cols, dtype, variant):
     need(impl)
-    sv, bv = PARAM_VARIANTS[op][variant % len(PARAM_VARIANTS[op])]
-    sdt = {"f32": "float32", "x": dtype, None: None}[sv]
-    bdt = {"f32": "float32", "x": dtype, None: None}[bv]
+    sdt, bdt = support.param_dtypes(PARAM_VARIANTS[op], variant, dtype)
     x, scale, bias, dy = make_inputs(seed_of(f"tail{op}{cols}{dtype}{variant}"), (37 + 2 * variant, cols), dtype,
                                      sdt, bdt)
     run = fwd_bwd_fn(op, impl)
