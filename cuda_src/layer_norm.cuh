@@ -613,26 +613,45 @@ struct RowWords {
       set(*reinterpret_cast<const Pack<T, PACK>*>(p));
     }
   }
-  // h = x + residual rounded to T (add_rounded), kept here and written to h: 16-bit
-  // whole words only (the same spills as load's).
+  // The words stored at p as load() reads them: whole 16-byte words, else one 8-, 4- or
+  // 2-byte store.
+  __device__ __forceinline__ void store(T* p) const {
+    if constexpr (sizeof(T) * PACK % 16 == 0) {
+#pragma unroll
+      for (int i = 0; i < kWords; i += 4)
+        reinterpret_cast<uint4*>(p)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+    } else if constexpr (sizeof(T) * PACK == 8) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    } else if constexpr (sizeof(T) * PACK == 4) {
+      *reinterpret_cast<uint32_t*>(p) = w[0];
+    } else {
+      static_assert(sizeof(T) * PACK == 2, "a whole number of 16-bit values");
+      *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(w[0]);
+    }
+  }
+  // x + residual rounded to T (add_rounded), 16-bit values: float16 pairs as f16x2.
+  __device__ __forceinline__ void set_sum_rounded(const RowWords& x, const RowWords& r) {
+    static_assert(sizeof(T) == 2, "16-bit values");
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      if constexpr (std::is_same_v<T, f16_t>) {
+        w[i] = add_rounded_f16x2(x.w[i], r.w[i]);
+      } else {
+        w[i] = uint32_t(from_float<T>(x.template value<false>(2 * i) + r.template value<false>(2 * i)).bits) |
+               (uint32_t(from_float<T>(x.template value<false>(2 * i + 1) + r.template value<false>(2 * i + 1)).bits)
+                << 16);
+      }
+    }
+  }
+  // h = x + residual rounded to T, kept here and written to h: 16-bit whole words only
+  // (a Pack of 16-bit structs spills as load's comment says).
   __device__ __forceinline__ void load_add(const T* x, const T* residual, T* h) {
     static_assert(sizeof(T) == 2 && PACK % 8 == 0, "16-byte words of 16-bit values");
     RowWords xw, rw;
     xw.load(x);
     rw.load(residual);
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) {
-      if constexpr (std::is_same_v<T, f16_t>) {
-        w[i] = add_rounded_f16x2(xw.w[i], rw.w[i]);
-      } else {
-        w[i] = uint32_t(from_float<T>(xw.template value<false>(2 * i) + rw.template value<false>(2 * i)).bits) |
-               (uint32_t(from_float<T>(xw.template value<false>(2 * i + 1) + rw.template value<false>(2 * i + 1)).bits)
-                << 16);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kWords; i += 4)
-      reinterpret_cast<uint4*>(h)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+    set_sum_rounded(xw, rw);
+    store(h);
   }
   __device__ __forceinline__ void set(const Pack<T, PACK>& pk) {
     w[kWords - 1] = 0u;
@@ -868,28 +887,54 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_regs_kernel(typename L::Args
 // the second pack's code ran for the warp to serve the one to sixteen lanes holding it:
 // 256 instructions a row at 264 columns against 162 at 256, issue-bound (ncu, thirty-second
 // session). Two rows a tile, a persistent grid with the next tile ahead, the parameters
-// loaded once a warp, as there.
+// loaded once a warp, as there. add+norm (LoadAdd): the tile ahead holds x and residual as
+// loaded; h is summed and stored as the tile is reduced, so that no load waits for the
+// next tile's sums.
 template <typename T, typename P, int E, typename L>
 __global__ void __launch_bounds__(kRegsThreads) fwd_tail_kernel(typename L::Args a) {
   static_assert(sizeof(T) == 2 && (E == 1 || E == 2 || E == 4), "16-bit rows, a tail of 1, 2 or 4 values a lane");
   constexpr int PACK = 8, ROWS = 2;
+  constexpr bool kAdd = std::is_base_of_v<LoadAdd<T>, L>;
+  constexpr int kArrays = kAdd ? 2 : 1;  // x (and residual) as loaded
   const int lane = threadIdx.x % 32;
   const int64_t warps_total = int64_t(gridDim.x) * (kRegsThreads / 32);
   const int main_col = lane * PACK, tail_col = 32 * PACK + lane * E;
   const bool has_tail = tail_col < a.cols;
-  const T* x = static_cast<const T*>(a.x);
+  const L load(a);
   T* y = static_cast<T*>(a.y);
   struct Tile {
-    RowWords<T, PACK> main[ROWS];
-    RowWords<T, E> tail[ROWS];
+    RowWords<T, PACK> main[kArrays][ROWS];
+    RowWords<T, E> tail[kArrays][ROWS];
   };
   const auto load_tile = [&](int64_t tile, Tile& t) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS + r;
       if (row >= a.rows) continue;
-      t.main[r].load(x + row * a.cols + main_col);
-      if (has_tail) t.tail[r].load(x + row * a.cols + tail_col);
+      const int64_t base = row * a.cols;
+      t.main[0][r].load(load.x + base + main_col);
+      if constexpr (kAdd) t.main[1][r].load(load.residual + base + main_col);
+      if (has_tail) {
+        t.tail[0][r].load(load.x + base + tail_col);
+        if constexpr (kAdd) t.tail[1][r].load(load.residual + base + tail_col);
+      }
+    }
+  };
+  // add+norm: the tile's rows become h (x + residual rounded), written to the h output.
+  const auto sum_tile = [&](int64_t tile, Tile& t) {
+    if constexpr (kAdd) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = tile * ROWS + r;
+        if (row >= a.rows) continue;
+        const int64_t base = row * a.cols;
+        t.main[0][r].set_sum_rounded(t.main[0][r], t.main[1][r]);
+        t.main[0][r].store(load.h + base + main_col);
+        if (has_tail) {
+          t.tail[0][r].set_sum_rounded(t.tail[0][r], t.tail[1][r]);
+          t.tail[0][r].store(load.h + base + tail_col);
+        }
+      }
     }
   };
   float sc_main[PACK], bi_main[PACK], sc_tail[E], bi_tail[E];
@@ -923,7 +968,8 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_tail_kernel(typename L::Args
     float mean[ROWS], q[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-      mean[r] = L::kRms ? 0.f : piece_sum(t.main[r], 0.f, false) + (has_tail ? piece_sum(t.tail[r], 0.f, false) : 0.f);
+      mean[r] = L::kRms ? 0.f
+                        : piece_sum(t.main[0][r], 0.f, false) + (has_tail ? piece_sum(t.tail[0][r], 0.f, false) : 0.f);
     if constexpr (!L::kRms) {
       group_sums<32, ROWS>(mean);
 #pragma unroll
@@ -931,15 +977,15 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_tail_kernel(typename L::Args
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-      q[r] = piece_sum(t.main[r], mean[r], true) + (has_tail ? piece_sum(t.tail[r], mean[r], true) : 0.f);
+      q[r] = piece_sum(t.main[0][r], mean[r], true) + (has_tail ? piece_sum(t.tail[0][r], mean[r], true) : 0.f);
     group_sums<32, ROWS>(q);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = tile * ROWS + r;
       if (row >= a.rows) continue;
       const RowStats st{mean[r], rsqrt_f32(q[r] * inv_n + a.eps)};
-      piece_out(row * a.cols + main_col, t.main[r], st, sc_main, bi_main);
-      if (has_tail) piece_out(row * a.cols + tail_col, t.tail[r], st, sc_tail, bi_tail);
+      piece_out(row * a.cols + main_col, t.main[0][r], st, sc_main, bi_main);
+      if (has_tail) piece_out(row * a.cols + tail_col, t.tail[0][r], st, sc_tail, bi_tail);
       if (lane == 0 && a.rstd != nullptr) {
         if (a.mean != nullptr) a.mean[row] = st.mean;
         a.rstd[row] = st.rstd;
@@ -953,6 +999,7 @@ __global__ void __launch_bounds__(kRegsThreads) fwd_tail_kernel(typename L::Args
   for (; tile * ROWS < a.rows; tile += warps_total) {
     Tile next;
     if ((tile + warps_total) * ROWS < a.rows) load_tile(tile + warps_total, next);
+    sum_tile(tile, cur);
     finish_tile(tile, cur);
     cur = next;
   }
@@ -1424,11 +1471,12 @@ __global__ void __launch_bounds__(THREADS,
 }
 
 // The backward of fwd_tail_kernel's rows (16-bit, 256 + r columns, 0 < r <= 32 * E, a
-// 16-byte pack a lane and the last r columns E a lane on the first r / E lanes): one row a
-// warp, the next row loaded ahead (a persistent grid), the scale and the lane's
-// dscale/dbias partials in registers across rows. At two packs a lane (bwd_regs_kernel)
-// the second pack's code ran for the warp to serve the lanes holding it.
-template <typename T, typename P, int E, typename S>
+// 16-byte pack a lane and the last r columns E a lane on the first r / E lanes): ROWS rows
+// a warp, their shuffle chains interleaved, and the next tile loaded ahead (a persistent
+// grid); the scale and the lane's dscale/dbias partials in registers across rows. At two
+// packs a lane (bwd_regs_kernel) the second pack's code ran for the warp to serve the
+// lanes holding it.
+template <typename T, typename P, int E, int ROWS, typename S>
 __global__ void __launch_bounds__(kRegsThreads) bwd_tail_kernel(typename S::Args a, float* part_ds, float* part_db) {
   static_assert(sizeof(T) == 2 && (E == 1 || E == 2 || E == 4), "16-bit rows, a tail of 1, 2 or 4 values a lane");
   constexpr int PACK = 8, WARPS = kRegsThreads / 32;
@@ -1451,6 +1499,9 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_tail_kernel(typename S::Args
     RowWords<T, E> xt, dt;
     float mean, rstd;
   };
+  struct Tile {
+    Row r[ROWS];
+  };
   const auto load_row = [&](int64_t row, Row& r) {
     if (row >= a.rows) return;
     r.mean = S::kRms ? 0.f : a.mean[row];
@@ -1466,6 +1517,10 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_tail_kernel(typename S::Args
       store.prefetch(base + main_col);
       if (has_tail) store.prefetch(base + tail_col);
     }
+  };
+  const auto load_tile = [&](int64_t tile, Tile& t) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) load_row(tile * ROWS + r, t.r[r]);
   };
   // A piece of a row (the main pack or the tail; N values of x and dy): its sums of g and
   // g·xhat, and its dx stored at flat index i, dy·xhat and dy added to its partials.
@@ -1491,24 +1546,36 @@ __global__ void __launch_bounds__(kRegsThreads) bwd_tail_kernel(typename S::Args
     }
     store(i, out);
   };
-  const auto reduce_row = [&](int64_t row, const Row& r) {
-    float sum_g = 0.f, sum_gx = 0.f;
-    piece_sums(r, r.xm, r.dm, sc_m, sum_g, sum_gx);
-    if (has_tail) piece_sums(r, r.xt, r.dt, sc_t, sum_g, sum_gx);
+  // Rows past the end (warp-uniform) add zeros to the shuffles and store nothing.
+  const auto reduce_tile = [&](int64_t tile, const Tile& t) {
+    float sum_g[ROWS], sum_gx[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      sum_g[r] = sum_gx[r] = 0.f;
+      if (tile * ROWS + r >= a.rows) continue;
+      piece_sums(t.r[r], t.r[r].xm, t.r[r].dm, sc_m, sum_g[r], sum_gx[r]);
+      if (has_tail) piece_sums(t.r[r], t.r[r].xt, t.r[r].dt, sc_t, sum_g[r], sum_gx[r]);
+    }
+    if constexpr (!S::kRms) group_sums<32, ROWS>(sum_g);
+    group_sums<32, ROWS>(sum_gx);
     const float inv_n = 1.f / float(a.cols);
-    const float mg = S::kRms ? 0.f : group_sum<32>(sum_g) * inv_n;
-    const float mgx = group_sum<32>(sum_gx) * inv_n;
-    piece_dx(row * a.cols + main_col, r, r.xm, r.dm, sc_m, mg, mgx, ds_m, db_m);
-    if (has_tail) piece_dx(row * a.cols + tail_col, r, r.xt, r.dt, sc_t, mg, mgx, ds_t, db_t);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = tile * ROWS + r;
+      if (row >= a.rows) continue;
+      const float mg = S::kRms ? 0.f : sum_g[r] * inv_n, mgx = sum_gx[r] * inv_n;
+      piece_dx(row * a.cols + main_col, t.r[r], t.r[r].xm, t.r[r].dm, sc_m, mg, mgx, ds_m, db_m);
+      if (has_tail) piece_dx(row * a.cols + tail_col, t.r[r], t.r[r].xt, t.r[r].dt, sc_t, mg, mgx, ds_t, db_t);
+    }
   };
   // Warp-uniform: a warp's rows are its own, every lane takes part in the shuffles.
-  int64_t row = int64_t(blockIdx.x) * WARPS + warp;
-  Row cur;
-  load_row(row, cur);
-  for (; row < a.rows; row += warps_total) {
-    Row next;
-    load_row(row + warps_total, next);
-    reduce_row(row, cur);
+  int64_t tile = int64_t(blockIdx.x) * WARPS + warp;
+  Tile cur;
+  load_tile(tile, cur);
+  for (; tile * ROWS < a.rows; tile += warps_total) {
+    Tile next;
+    load_tile(tile + warps_total, next);
+    reduce_tile(tile, cur);
     cur = next;
   }
   if (part_ds == nullptr && part_db == nullptr) return;
@@ -2253,6 +2320,22 @@ cudaError_t launch_sum_partials(const float* part_ds, const float* part_db, int6
 
 // -------------------------------------------------------------- launchers ---
 
+// The tail kernels' rows (fwd_tail_kernel, bwd_tail_kernel): 16-bit rows of 257-384
+// columns, the last cols - 256 at E values a lane, the least of 1, 2 or 4 that holds them;
+// 0 for other rows.
+inline int tail_values_per_lane(int64_t cols) {
+  const int64_t r = cols - 256;
+  return r <= 0 || r > 128 ? 0 : (r <= 32 ? 1 : (r <= 64 ? 2 : 4));
+}
+
+// launch(std::integral_constant<int, E>{}) for e = 1, 2 or 4.
+template <typename Launch>
+cudaError_t with_tail_values(int e, Launch&& launch) {
+  if (e == 1) return launch(std::integral_constant<int, 1>{});
+  if (e == 2) return launch(std::integral_constant<int, 2>{});
+  return launch(std::integral_constant<int, 4>{});
+}
+
 template <typename T, typename P, int PACK, int VPT, int WIDTH, int ROWS, typename L>
 cudaError_t launch_fwd_regs_rows(const FwdAddArgs& a, cudaStream_t stream, bool ahead_vpt2 = false) {
   constexpr int ROWS_PER_BLOCK = (kRegsThreads / WIDTH) * ROWS;
@@ -2332,20 +2415,8 @@ cudaError_t launch_fwd_regs(const FwdAddArgs& a, cudaStream_t stream) {
     // rows a tile alone, or the persistent grid alone: up to 1.11x slower; 8 lanes a row at 5-8
     // packs: LayerNorm 264 18.5 but 1.05-1.13x slower from 384 (docs/perf-notes.md,
     // thirty-second session). Knob JAX_OPS_NORM_FWD_VPT2_TILE=0 turns it off. With the tail
-    // rule below on, it serves LayerNorm's 49-56 packs (392-448 columns) only.
-    // 257-384 columns: the last cols - 256 spread over the lanes, 1, 2 or 4 a lane
-    // (fwd_tail_kernel): H200, 49152 rows, fwd µs, bf16 (f16), against the rule below:
-    // LayerNorm 264 19.05 -> 15.8 (19.7 -> 15.8), 320 19.5 -> 17.8, 336 19.95 -> 19.6, 384
-    // 22.0 -> 20.9 (21.6 -> 21.2); RMSNorm 264 16.55 -> 15.1, 384 21.15 -> 20.5
-    // (docs/perf-notes.md, thirty-third session). Knob JAX_OPS_NORM_FWD_TAIL=0 turns it off.
+    // kernel on (fwd_regs_dispatch), it serves LayerNorm's 49-56 packs (392-448 columns) only.
     static const bool tile2 = env_knob("JAX_OPS_NORM_FWD_VPT2_TILE", 1) != 0;
-    static const bool tail = env_knob("JAX_OPS_NORM_FWD_TAIL", 1) != 0;
-    if (tail && a.cols <= 32 * PACK + 128) {
-      const int64_t r = a.cols - 32 * PACK;
-      if (r <= 32) return launch_fwd_tail<T, P, 1, L>(a, stream);
-      if (r <= 64) return launch_fwd_tail<T, P, 2, L>(a, stream);
-      return launch_fwd_tail<T, P, 4, L>(a, stream);
-    }
     if (tile2 && a.cols / PACK <= (L::kRms ? 48 : 56))
       return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 2, L>(a, stream, true);
     return launch_fwd_regs_rows<T, P, PACK, VPT, WIDTH, 1, L>(a, stream);
@@ -2369,6 +2440,20 @@ template <typename T, typename P, int PACK, typename L>
 cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   static const bool thirds = env_knob("JAX_OPS_NORM_FWD_REGS_THIRDS", 1) != 0;
   constexpr bool kAdd = std::is_base_of_v<LoadAdd<T>, L>;
+  // 16-bit rows of 257-384 columns: the last cols - 256 spread over the lanes, 1, 2 or 4 a
+  // lane (fwd_tail_kernel), against two packs a lane on 32 lanes: H200, 49152 rows, fwd
+  // µs, bf16 (f16): LayerNorm 264 19.05 -> 15.8 (19.7 -> 15.8), 320 19.5 -> 17.8, 336 19.95
+  // -> 19.6, 384 22.0 -> 20.9 (21.6 -> 21.2); RMSNorm 264 16.55 -> 15.1, 384 21.15 -> 20.5
+  // (thirty-third session). add+norm to 352 columns: add_layer_norm 288 35.3 -> 30.65,
+  // 320 36.7 -> 34.55, 336 37.9 -> 35.95; add_rms_norm 288 33.1 -> 30.3, 336 the same; at
+  // 384, every lane's tail full, 1.04x slower (39.35 -> 41.1; thirty-fourth session;
+  // docs/perf-notes.md). Knob JAX_OPS_NORM_FWD_TAIL=0 turns it off.
+  if constexpr (sizeof(T) == 2 && PACK == 8) {
+    static const bool tail = env_knob("JAX_OPS_NORM_FWD_TAIL", 1) != 0;
+    const int e = tail ? tail_values_per_lane(a.cols) : 0;
+    if (e != 0 && (!kAdd || a.cols <= 352))
+      return with_tail_values(e, [&](auto ev) { return launch_fwd_tail<T, P, decltype(ev)::value, L>(a, stream); });
+  }
   return dispatch_group_shape_thirds<PACK, fwd_regs_max_cols<T, PACK>(), false, kThirdsTypes<T, PACK> && kAdd>(
       a.cols / PACK, thirds, [&](auto vpt, auto width) {
         return launch_fwd_regs<T, P, PACK, decltype(vpt)::value, decltype(width)::value, L>(a, stream);
@@ -2850,9 +2935,27 @@ cudaError_t launch_bwd_regs(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
   }
 }
 
+// Rows a warp of the tail backward: two, their shuffle chains interleaved, against one
+// (both with the next rows ahead; 127 registers against 72): H200, 49152 rows, bwd µs,
+// bf16, two runs each (docs/perf-notes.md, thirty-fourth session): LayerNorm 264 28.9 ->
+// 24.7, 288 30.2 -> 26.1, 336 31.3 -> 29.25, 384 33.4 -> 32.75; RMSNorm 264 26.05 ->
+// 23.5, 320 28.85 -> 27.55, 384 32.85 -> 31.65 (f16 alike); add_layer_norm 264 35.2 ->
+// 34.05, 336 44.1 -> 42.25, but 384 45.85 -> 46.45, so there one; add_rms_norm 264 the same,
+// 288 34.65 -> 35.65, so one. Knob JAX_OPS_NORM_BWD_TAIL_ROWS = 1 or 2 forces it.
+template <typename T, typename S>
+int bwd_tail_rows(int64_t cols) {
+  static const int knob = env_knob("JAX_OPS_NORM_BWD_TAIL_ROWS", 0);
+  if (knob == 1 || knob == 2) return knob;
+  if (!std::is_base_of_v<StoreDxAddDh<T>, S>) return 2;
+  return !S::kRms && cols <= 352 ? 2 : 1;
+}
+
 template <typename T, typename P, int E, typename S>
 cudaError_t launch_bwd_tail(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
-  return launch_bwd_warps<T, P, S, kRegsThreads>(bwd_tail_kernel<T, P, E, S>, kRegsThreads / 32, a, stream, plan);
+  if (bwd_tail_rows<T, S>(a.cols) == 2)
+    return launch_bwd_warps<T, P, S, kRegsThreads>(bwd_tail_kernel<T, P, E, 2, S>, 2 * (kRegsThreads / 32), a, stream,
+                                                   plan);
+  return launch_bwd_warps<T, P, S, kRegsThreads>(bwd_tail_kernel<T, P, E, 1, S>, kRegsThreads / 32, a, stream, plan);
 }
 
 // The backward's row shapes with no idle slot (dispatch_group_shape_thirds), where they
@@ -2862,8 +2965,8 @@ cudaError_t launch_bwd_tail(const BwdAddArgs& a, cudaStream_t stream, int64_t* p
 // add+norm: add_layer_norm 1.00-1.02x, add_rms_norm 1.02-1.03x slower); add+norm on 32 lanes
 // (add_layer_norm 640 80.75 -> 74.65, 768 92.35 -> 86.8; add_rms_norm 1.01-1.06x;
 // LayerNorm the same, RMSNorm 640 1.04x slower). Knob JAX_OPS_NORM_BWD_REGS_THIRDS=0
-// turns them off. At 257-384 16-bit columns the tail rule below comes first (of the
-// 16-lane shapes there, LayerNorm's at 289-320 remain).
+// turns them off. At 257-384 16-bit columns the tail rule below comes first (the plain
+// norms' 16-lane shapes there serve JAX_OPS_NORM_BWD_TAIL=0).
 template <typename T, typename P, int PACK, typename S>
 cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan) {
   static const bool thirds = env_knob("JAX_OPS_NORM_BWD_REGS_THIRDS", 1) != 0;
@@ -2871,22 +2974,18 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   // 16-bit rows of 257-384 columns: the last cols - 256 spread over the lanes
   // (bwd_tail_kernel), where that measured faster than two packs a lane on 32 lanes (or
   // three on 16). H200, 49152 rows, bwd µs, bf16, tail against not, two runs each
-  // (docs/perf-notes.md, thirty-third session): at 1 a lane (264-288) every op (LayerNorm
-  // 264 29.6 -> 28.85, add_layer_norm 264 39.45 -> 35.35, add_rms_norm 264 33.35 -> 32.1);
-  // at 2 (296-320) LayerNorm 296 the same, 320 31.45 -> 32.05 (f16 32.1 -> 32.6), so not
-  // LayerNorm; at 2 or 4 add_rms_norm 1.01x slower (320 37.25 -> 37.7, 384 43.15 -> 43.6),
-  // so not it; RMSNorm 288 29.0 -> 27.1, add_layer_norm 320 43.05 -> 40.55, LayerNorm 384
-  // 34.55 -> 33.4; at 4 RMSNorm 336 bf16 31.1 -> 30.8, f16 31.1 -> 31.4, 384 both faster.
-  // Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
+  // (docs/perf-notes.md, thirty-third session, one row a warp): at 1 a lane (264-288) every
+  // op (add_layer_norm 264 39.45 -> 35.35, add_rms_norm 264 33.35 -> 32.1); at 2 or 4
+  // add_rms_norm 1.01x slower (320 37.25 -> 37.7, 384 43.15 -> 43.6), so not it;
+  // add_layer_norm 320 43.05 -> 40.55, RMSNorm 288 29.0 -> 27.1. Rows a warp
+  // (bwd_tail_rows): LayerNorm at 2 a lane (296-320) was 1.02x slower at one row a warp
+  // (320 31.45 -> 32.05) and is taken at two. Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
     static const bool tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1) != 0;
-    constexpr bool kLayerNorm = !kAdd && !S::kRms, kAddRms = kAdd && S::kRms;
-    if (tail && a.cols > 32 * PACK && a.cols <= 32 * PACK + 128) {
-      const int64_t r = a.cols - 32 * PACK;
-      if (r <= 32) return launch_bwd_tail<T, P, 1, S>(a, stream, plan);
-      if (r <= 64 && !kLayerNorm && !kAddRms) return launch_bwd_tail<T, P, 2, S>(a, stream, plan);
-      if (r > 64 && !kAddRms) return launch_bwd_tail<T, P, 4, S>(a, stream, plan);
-    }
+    const int e = tail ? tail_values_per_lane(a.cols) : 0;
+    if (e == 1 || (e != 0 && !(kAdd && S::kRms)))
+      return with_tail_values(
+          e, [&](auto ev) { return launch_bwd_tail<T, P, decltype(ev)::value, S>(a, stream, plan); });
   }
   return dispatch_group_shape_thirds<PACK, kRegsMaxCols, kThirdsTypes<T, PACK> && !kAdd, kThirdsTypes<T, PACK> && kAdd>(
       a.cols / PACK, thirds, [&](auto vpt, auto width) {

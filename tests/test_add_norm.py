@@ -130,12 +130,13 @@ def _matrix():
     return params
 
 
-# 16-bit rows of 257-384 columns: the cuda backward holds a 16-byte pack a lane and the
-# last cols - 256 columns 1, 2 or 4 a lane on the first lanes (bwd_tail_kernel); each
-# parameter variant and cotangent, odd row counts.
+# 16-bit rows of 257-384 columns: the cuda forward (to 352 columns) and backward hold a
+# 16-byte pack a lane and the last cols - 256 columns 1, 2 or 4 a lane on the first lanes
+# (fwd_tail_kernel, bwd_tail_kernel, one or two rows a warp); each parameter variant and
+# cotangent, odd row counts.
 TAIL_CASES = [(cols, dtype, i) for i, (cols, dtype) in enumerate(
     [(264, "bfloat16"), (280, "float16"), (296, "bfloat16"), (320, "float16"), (336, "bfloat16"),
-     (384, "float16")])]
+     (352, "float16"), (360, "bfloat16"), (384, "float16")])]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -401,9 +401,9 @@ def test_many_rows(op, shape, dtype):
     check_against_reference(op, x, scale, bias, dy, y, grads, tol=TOL_HEAVY_F32 if dtype == "float32" else None)
 
 
-# 16-bit rows of 257-384 columns: the cuda forward holds a 16-byte pack a lane and the
-# last cols - 256 columns 1, 2 or 4 a lane on the first lanes (fwd_tail_kernel); each
-# parameter variant, odd row counts (a last tile of one row).
+# 16-bit rows of 257-384 columns: the cuda forward and backward hold a 16-byte pack a lane
+# and the last cols - 256 columns 1, 2 or 4 a lane on the first lanes (fwd_tail_kernel,
+# bwd_tail_kernel; two-row tiles); each parameter variant, odd row counts (a last tile of one row).
 TAIL_CASES = [(cols, dtype, variant) for i, (cols, dtype) in enumerate(
     [(264, "bfloat16"), (272, "float16"), (288, "bfloat16"), (296, "float16"), (320, "bfloat16"),
      (328, "float16"), (360, "bfloat16"), (384, "float16")]) for variant in range(i % 2, 5, 2)]
