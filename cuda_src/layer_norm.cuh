@@ -2446,8 +2446,9 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   // -> 19.6, 384 22.0 -> 20.9 (21.6 -> 21.2); RMSNorm 264 16.55 -> 15.1, 384 21.15 -> 20.5
   // (thirty-third session). add+norm to 352 columns: add_layer_norm 288 35.3 -> 30.65,
   // 320 36.7 -> 34.55, 336 37.9 -> 35.95; add_rms_norm 288 33.1 -> 30.3, 336 the same; at
-  // 384, every lane's tail full, 1.04x slower (39.35 -> 41.1; thirty-fourth session;
-  // docs/perf-notes.md). Knob JAX_OPS_NORM_FWD_TAIL=0 turns it off.
+  // 384, every lane's tail full, 1.04x slower (add_layer_norm 39.35 -> 41.1, add_rms_norm
+  // 38.55 -> 40.25); 337-383 not measured, the cut at 352 a guess between (thirty-fourth
+  // session; docs/perf-notes.md). Knob JAX_OPS_NORM_FWD_TAIL=0 turns it off.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
     static const bool tail = env_knob("JAX_OPS_NORM_FWD_TAIL", 1) != 0;
     const int e = tail ? tail_values_per_lane(a.cols) : 0;
@@ -2889,6 +2890,8 @@ int bwd_regs_block_threads() {
 // lane's slots the registers cost more than the loads save (RMSNorm 264 26.5 -> 28.1,
 // add_rms_norm 264 33.25 -> 35.15), so there only LayerNorm's, whose registers leave its
 // blocks an SM as they were (127 at 264-384). Knob JAX_OPS_NORM_BWD_HOIST_SCALE=0 turns it off.
+// Since the tail rule (bwd_regs_dispatch) takes 16-bit rows of 257-384 columns, these two
+// serve them only with JAX_OPS_NORM_BWD_TAIL=0 (and add_rms_norm's past 288).
 template <typename T, int PACK, int VPT, int WIDTH, typename S>
 bool bwd_hoist_scale(const BwdArgs& a) {
   static const bool on = env_knob("JAX_OPS_NORM_BWD_HOIST_SCALE", 1) != 0;
@@ -2975,11 +2978,12 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   // (bwd_tail_kernel), where that measured faster than two packs a lane on 32 lanes (or
   // three on 16). H200, 49152 rows, bwd µs, bf16, tail against not, two runs each
   // (docs/perf-notes.md, thirty-third session, one row a warp): at 1 a lane (264-288) every
-  // op (add_layer_norm 264 39.45 -> 35.35, add_rms_norm 264 33.35 -> 32.1); at 2 or 4
-  // add_rms_norm 1.01x slower (320 37.25 -> 37.7, 384 43.15 -> 43.6), so not it;
-  // add_layer_norm 320 43.05 -> 40.55, RMSNorm 288 29.0 -> 27.1. Rows a warp
-  // (bwd_tail_rows): LayerNorm at 2 a lane (296-320) was 1.02x slower at one row a warp
-  // (320 31.45 -> 32.05) and is taken at two. Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
+  // op (add_layer_norm 264 39.45 -> 35.35, add_rms_norm 264 33.35 -> 32.1, RMSNorm 288
+  // 29.0 -> 27.1); at 2 or 4 add_rms_norm 1.01x slower (320 37.25 -> 37.7, 384 43.15 ->
+  // 43.6), so not it; add_layer_norm 320 43.05 -> 40.55; RMSNorm 336 f16 31.1 -> 31.4 (bf16
+  // 31.1 -> 30.8). Rows a warp (bwd_tail_rows): LayerNorm at 2 a lane (296-320), 1.02x slower
+  // at one row a warp (320 31.45 -> 32.05), is taken at two (thirty-fourth session: 320
+  // 31.8 -> 27.9, 296 31.05 -> 26.55). Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
     static const bool tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1) != 0;
     const int e = tail ? tail_values_per_lane(a.cols) : 0;

@@ -130,10 +130,11 @@ def _matrix():
     return params
 
 
-# 16-bit rows of 257-384 columns: the cuda forward (to 352 columns) and backward hold a
-# 16-byte pack a lane and the last cols - 256 columns 1, 2 or 4 a lane on the first lanes
-# (fwd_tail_kernel, bwd_tail_kernel, one or two rows a warp); each parameter variant and
-# cotangent, odd row counts.
+# 16-bit rows of 257-384 columns: the cuda forward (to 352 columns) and backward (every
+# width for add_layer_norm, to 288 for add_rms_norm) hold a 16-byte pack a lane and the
+# last cols - 256 columns 1, 2 or 4 a lane on the first lanes (fwd_tail_kernel,
+# bwd_tail_kernel, one or two rows a warp); 360 / 384 the forward's two packs a lane
+# beside them. Each parameter variant and cotangent, odd row counts.
 TAIL_CASES = [(cols, dtype, i) for i, (cols, dtype) in enumerate(
     [(264, "bfloat16"), (280, "float16"), (296, "bfloat16"), (320, "float16"), (336, "bfloat16"),
      (352, "float16"), (360, "bfloat16"), (384, "float16")])]
@@ -180,7 +181,8 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
                                          ((20011, 384), "bfloat16"), ((12001, 520), "float16"),
                                          ((9001, 768), "bfloat16"), ((3001, 2056), "bfloat16"),
                                          ((2001, 3072), "bfloat16"), ((8001, 448), "float16"),
-                                         ((20001, 264), "bfloat16"), ((15001, 328), "float16")], ids=str)
+                                         ((20001, 264), "bfloat16"), ((15001, 328), "float16"),
+                                         ((20011, 312), "bfloat16")], ids=str)
 def test_many_rows(op, shape, dtype):
     """More rows than a GPU runs blocks at once: the sm_90 bulk-staged backward (x and dy
     in shared memory, 3 rows a block, dh added as dx is written) refills its stages
@@ -193,8 +195,9 @@ def test_many_rows(op, shape, dtype):
     float16 at 1536: the warp tier's Pack (or the block tier: perf-notes, 28th session).
     384 / 520 / 768: the warp tier at three packs a lane (16 or 32 lanes a row); 2056 /
     3072 at twelve a lane (32 lanes; at 2056 one pack past 2048, most slots past the row);
-    448 float16: two packs a lane, the backward's scale in registers across rows. 264 / 328:
-    the backward's last columns spread over the lanes (bwd_tail_kernel)."""
+    448 float16: two packs a lane, the backward's scale in registers across rows. 264 / 312
+    / 328: the last columns spread over the lanes, 1 / 2 / 4 a lane, many tiles a warp
+    (fwd_tail_kernel; bwd_tail_kernel, two rows a warp for add_layer_norm)."""
     need("cuda")
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"many{op}{shape}{dtype}"), shape, dtype, "float32",
                                             "float32" if op == "add_layer_norm" else None)

@@ -373,17 +373,18 @@ MANY_NARROW_ROWS = [((220001, 32), "bfloat16"), ((60001, 128), "bfloat16"), ((30
                     ((15001, 512), "bfloat16"), ((4001, 1024), "float32"), ((60001, 64), "float32"),
                     ((20011, 256), "float32"), ((3, 256), "bfloat16"), ((1, 200), "float16"),
                     ((40011, 72), "bfloat16"), ((50001, 64), "float16"), ((25001, 384), "bfloat16"),
-                    # 264: the backward's three packs a lane on 16 lanes (ragged); 520-3072: the
-                    # power-of-two shapes the plain norms keep where add+norm's take 3 / 6 / 12
+                    # 264: the tail kernels at one value a lane on 1 of 32 lanes (ragged); 520-3072:
+                    # the power-of-two shapes the plain norms keep where add+norm's take 3 / 6 / 12
                     ((30001, 264), "float16"), ((20011, 768), "bfloat16"), ((12001, 520), "float16"),
                     ((3001, 1528), "bfloat16"), ((2501, 3072), "float16"),
-                    # 320-448: the forward's two-row tiles at two packs a lane (persistent grid,
-                    # parameters once a warp; 400 with the second pack on 18 of 32 lanes) and the
-                    # backward's scale in registers; 504: 63 packs, one row a tile
+                    # 320: the tail kernels at two values a lane; 400-448: the forward's two-row
+                    # tiles at two packs a lane (persistent grid, parameters once a warp; 400 with
+                    # the second pack on 18 of 32 lanes) and the backward's scale in registers;
+                    # 504: 63 packs, one row a tile
                     ((20011, 320), "bfloat16"), ((10001, 448), "float16"), ((7001, 400), "bfloat16"),
                     ((6001, 504), "float16"),
-                    # 264-384: the forward's last columns spread over the lanes, 1 / 2 / 4 a lane
-                    # on 8-32 of them (fwd_tail_kernel)
+                    # 264-384: the last columns spread over the lanes, 1 / 2 / 4 a lane on 8-32
+                    # of them (fwd_tail_kernel; bwd_tail_kernel, two rows a warp)
                     ((20001, 296), "bfloat16"), ((15001, 328), "float16"), ((9, 272), "bfloat16")]
 
 
