@@ -33,7 +33,6 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests}
 source benchmarks/gpu_stages.sh
-OPS4=layer_norm,rms_norm,add_layer_norm,add_rms_norm
 if has pf2; then
   cfg_sweep pf2 "default BWD_REGS_PREFETCH2=1 default BWD_REGS_PREFETCH2=1" bf16 --rows 49152 \
     --op $OPS4 --mode bwd --cols 384,512

@@ -30,7 +30,6 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests}
 source benchmarks/gpu_stages.sh
-OPS4=layer_norm,rms_norm,add_layer_norm,add_rms_norm
 has thirds_bwd && cfg_sweep thirds_bwd "default BWD_REGS_THIRDS=0 BWD_REGS_THIRDS=2 default BWD_REGS_THIRDS=0" bf16 \
   --rows 49152 --op $OPS4 --mode bwd --cols 320,384,640,768
 has thirds_fwd && cfg_sweep thirds_fwd "default FWD_REGS_THIRDS=0 default FWD_REGS_THIRDS=0" bf16 \

@@ -37,7 +37,6 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests}
 source benchmarks/gpu_stages.sh
-OPS4=layer_norm,rms_norm,add_layer_norm,add_rms_norm
 if has ncu; then
   M=smsp__inst_executed.sum,launch__registers_per_thread,sm__warps_active.avg.per_cycle_active,gpu__time_duration.sum
   M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__issue_active.avg.pct_of_peak_sustained_active

@@ -20,8 +20,6 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests}
 source benchmarks/gpu_stages.sh
-OPS4=layer_norm,rms_norm,add_layer_norm,add_rms_norm
-TAIL_COLS=264,288,296,320,336,384
 has add_ab && cfg_sweep add_ab "default FWD_TAIL=0 default FWD_TAIL=0" bf16 --rows 49152 \
   --op add_layer_norm,add_rms_norm --mode fwd --cols $TAIL_COLS
 has add_ab && cfg_sweep add_ab_f16 "default FWD_TAIL=0" f16 --rows 49152 --op add_layer_norm,add_rms_norm \

@@ -3,6 +3,9 @@
 LOG="$OUT/log.txt"
 t0=$SECONDS
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# The four norm ops, and the 16-bit tail kernels' widths (1 / 2 / 4 values a lane).
+OPS4=layer_norm,rms_norm,add_layer_norm,add_rms_norm
+TAIL_COLS=264,288,296,320,336,384
 # "NAME: seconds since the start", to the log.
 stage_done() { echo "$1: $((SECONDS - t0)) s" | tee -a "$LOG"; }
 # The LayerNorm/RMSNorm and add+norm test files (or the FILES given), 8 workers:
