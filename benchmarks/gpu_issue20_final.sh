@@ -44,20 +44,6 @@ has sanitize && SAN_OPS=${SAN_OPS:-ln,rms,add_ln} RACE_OPS=ln norm_sanitize ${SA
 # The dispatch table's bf16 entries of TABLE_OPS at TABLE_COLS re-measured (table_stage).
 has tables && OP_TIMEOUT=${OP_TIMEOUT:-100} table_stage bf16 \
   ${TABLE_OPS:-layer_norm,rms_norm,add_layer_norm,add_rms_norm} ${TABLE_COLS:-256,512}
-# One op and dtype a benchmark process (a timeout loses one, not the stage).
-sweep_dtype() {
-  local dt=$1 op
-  for op in ${SWEEP_OPS:-layer_norm rms_norm}; do
-    # Whatever is left of the call's 600 s goes to packing the results.
-    if [ $((SECONDS - t0)) -gt ${STOP_AFTER:-450} ]; then echo "skipped sweep $op $dt: time" | tee -a "$LOG"; continue; fi
-    local left=$((${CALL_SECONDS:-570} - (SECONDS - t0)))
-    SWEEP_TIMEOUT=$((left < 240 ? left : 240)) sweep_stage sweep_${op}_$dt --dtype $dt --rows 49152 --op $op \
-      --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols ${SWEEP_COLS:-32,64,128,256,512,1024,2048,4096,8192,16384,32768}
-    left=$((${CALL_SECONDS:-570} - (SECONDS - t0)))
-    [ $left -gt 20 ] && SWEEP_TIMEOUT=$((left < 120 ? left : 120)) sweep_stage sweep_${op}_${dt}_65536 --dtype $dt --rows 8192 --op $op \
-      --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols 65536
-  done
-}
 for dt in bf16 f16 f32; do has sweep$dt && sweep_dtype $dt; done
 has sweepadd && SWEEP_OPS="add_layer_norm add_rms_norm" sweep_dtype bf16
 finish_call "log|env|auto_vs_best|tests|workspace|sanitize"

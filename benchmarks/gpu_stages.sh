@@ -83,6 +83,23 @@ sweep_stage() {
   grep -E "^[a-z_]+ (fwd|bwd|fwd_bwd|step) [a-z0-9]+ rows" "$OUT/$name.txt" | tee -a "$LOG"
   stage_done "$name"
 }
+# The item-1 sweep of one dtype, one op a benchmark process (a timeout loses one op, not
+# the stage): SWEEP_OPS (space separated, default LayerNorm and RMSNorm), modes
+# SWEEP_MODES, SWEEP_COLS at 49152 rows, then 65536 columns at 8192 rows where SWEEP_65536
+# is 1 (the default). Each op starts only before STOP_AFTER s of the call and gets at most
+# what is left of CALL_SECONDS (so that packing the results fits): sweep_dtype DT
+sweep_dtype() {
+  local dt=$1 op left
+  for op in ${SWEEP_OPS:-layer_norm rms_norm}; do
+    if [ $((SECONDS - t0)) -gt ${STOP_AFTER:-450} ]; then echo "skipped sweep $op $dt: time" | tee -a "$LOG"; continue; fi
+    left=$((${CALL_SECONDS:-570} - (SECONDS - t0)))
+    SWEEP_TIMEOUT=$((left < 240 ? left : 240)) sweep_stage sweep_${op}_$dt --dtype $dt --rows 49152 --op $op \
+      --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols ${SWEEP_COLS:-32,64,128,256,512,1024,2048,4096,8192,16384,32768}
+    left=$((${CALL_SECONDS:-570} - (SECONDS - t0)))
+    [ "${SWEEP_65536:-1}" = 1 ] && [ $left -gt 20 ] && SWEEP_TIMEOUT=$((left < 120 ? left : 120)) \
+      sweep_stage sweep_${op}_${dt}_65536 --dtype $dt --rows 8192 --op $op --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols 65536
+  done
+}
 # The auto / best summary of the sweep JSONs in $OUT (benchmarks/auto_vs_best.py), then,
 # as at most 8 files come back, everything but the named .txt files ("log|env|...") and
 # the table JSON in one archive, extra.tgz: finish_call NAMES
