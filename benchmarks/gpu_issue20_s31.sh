@@ -66,10 +66,5 @@ has tests && norm_tests
 has tables && table_specs "${TABLE_SPECS:?}"
 has item2 && SWEEP_TIMEOUT=300 sweep_stage sweep_item2_bf16 --dtype bf16 --rows 49152 \
   --op $OPS4 --mode fwd,fwd_bwd --cols ${ITEM2_COLS:-384,768,1536,3072}
-if has bounds; then
-  timeout ${BOUND_TIMEOUT:-300} python3 benchmarks/norm_bounds.py kernels $OPS4 ${BOUND_COLS:-128,256,384,512,768} \
-    > "$OUT/bounds.txt" 2>&1
-  grep -E "^[a-z_]+ [0-9]+ \|" "$OUT/bounds.txt" | tee -a "$LOG"
-  stage_done bounds
-fi
+has bounds && bounds_stage ${BOUND_COLS:-128,256,384,512,768}
 finish_call "log|env|tests|bounds|fwdpf2|fwdpf2_f16|fwdpf2_fwd_bwd|sanitize_fwdpf2|fwdrows2|fwdrows2_f16|fwdrows2_fwd_bwd|sanitize_rows2|thirds_bwd|thirds_fwd|thirds_fb|sanitize|tables_[a-z0-9]+_[0-9]+|env_tables"

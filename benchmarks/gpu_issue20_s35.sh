@@ -9,6 +9,7 @@
 # - tailab: the tail kernels (257-384 16-bit columns, rules measured on the H200) against
 #   JAX_OPS_NORM_FWD_TAIL=0 / BWD_TAIL=0, four ops, fwd and bwd, bf16;
 # - san: memcheck / synccheck of the four ops, bf16 / f16, 301 rows x SAN_COLS;
+# - bounds: the kernel-structure bound (bounds_stage) at BOUND_COLS;
 # - tests: the norm tests;
 # - tables: the H100 table's entries TABLE_SPECS (DT:OPS:COLS ..., see table_specs);
 # - gpt2: Hugging Face's Flax GPT-2 training step, original and optimize(), with jax's
@@ -42,6 +43,7 @@ if starts san; then
   compute-sanitizer --tool memcheck python3 -c "print('sanitizer warm')" > /dev/null 2>&1  # its first start crashes
   DTYPES=bfloat16,float16 SAN_OPS=ln,rms,add_ln,add_rms norm_sanitize 301 ${SAN_COLS:-33,264,328,384,1000} ""
 fi
+starts bounds && bounds_stage ${BOUND_COLS:-128,264,288,320,384}
 if starts gpt2; then
   XLA_FLAGS="" timeout ${MODEL_TIMEOUT:-200} python3 benchmarks/model_step.py --models gpt2 --modes train \
     --profile-rows 0 --out "$OUT/gpt2.json" > "$OUT/gpt2.txt" 2>&1
@@ -49,5 +51,5 @@ if starts gpt2; then
   stage_done gpt2
 fi
 starts tests && norm_tests
-finish_call "log|env|auto_vs_best|tests|workspace|sanitize|gpt2|tailab"
+finish_call "log|env|auto_vs_best|tests|workspace|sanitize|gpt2|tailab|bounds"
 exit 0

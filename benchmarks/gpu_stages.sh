@@ -100,6 +100,14 @@ sweep_dtype() {
       sweep_stage sweep_${op}_${dt}_65536 --dtype $dt --rows 8192 --op $op --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols 65536
   done
 }
+# Each cuda kernel of a bf16 training step of the four ops next to a copy of its own bytes
+# (benchmarks/norm_bounds.py kernels: the most a three-kernel step can reach) at COLS, to
+# $OUT/bounds.txt and the log: bounds_stage COLS
+bounds_stage() {
+  timeout ${BOUND_TIMEOUT:-300} python3 benchmarks/norm_bounds.py kernels $OPS4 $1 > "$OUT/bounds.txt" 2>&1
+  grep -E "^[a-z_]+ [0-9]+ \|" "$OUT/bounds.txt" | tee -a "$LOG"
+  stage_done bounds
+}
 # The auto / best summary of the sweep JSONs in $OUT (benchmarks/auto_vs_best.py), then,
 # as at most 8 files come back, everything but the named .txt files ("log|env|...") and
 # the table JSON in one archive, extra.tgz: finish_call NAMES
