@@ -8,14 +8,14 @@ OPS4=layer_norm,rms_norm,add_layer_norm,add_rms_norm
 TAIL_COLS=264,288,296,320,336,384
 # "NAME: seconds since the start", to the log.
 stage_done() { echo "$1: $((SECONDS - t0)) s" | tee -a "$LOG"; }
-# The LayerNorm/RMSNorm and add+norm test files (or the FILES given), 8 workers:
-# norm_tests [FILES...]
+# The LayerNorm/RMSNorm and add+norm test files (or the pytest ARGS given), 8 workers, to
+# $OUT/NAME.txt (TESTS_NAME, default tests): norm_tests [ARGS...]
 norm_tests() {
-  local files=("$@")
+  local files=("$@") name=${TESTS_NAME:-tests}
   [ ${#files[@]} -gt 0 ] || files=(tests/test_layer_norm.py tests/test_add_norm.py)
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider "${files[@]}" > "$OUT/tests.txt" 2>&1
-  tail -2 "$OUT/tests.txt" | tee -a "$LOG"
-  stage_done tests
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -n 8 -p no:cacheprovider "${files[@]}" > "$OUT/$name.txt" 2>&1
+  tail -2 "$OUT/$name.txt" | tee -a "$LOG"
+  stage_done $name
 }
 # compute-sanitizer over benchmarks/sanitize_norm.py (ROWS rows; ops SAN_OPS, else OPS,
 # else ln,rms): memcheck and synccheck at COLS, racecheck (ops RACE_OPS, else the same)

@@ -490,6 +490,18 @@ def test_large_mean_offset_is_stable(op, impl):
     check_against_reference(op, x, scale, bias, dy, y, grads, tol=1e-3, elem_tol=2e-3)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cols,dtype,offset", [(264, "float16", 1000.0), (384, "bfloat16", 300.0)])
+def test_tail_widths_large_mean_offset(cols, dtype, offset, impl):
+    """The 16-bit tail kernels' LayerNorm where |mean| >> std (spread 1-2 about 300 or
+    1000), against the float64 reference: the statistics of rows far from zero."""
+    need(impl)
+    x, scale, bias, dy = make_inputs(seed_of(f"tailoffset{cols}{dtype}"), (41, cols), dtype, "float32", "float32",
+                                     offset=offset, spread=offset / 500)
+    y, grads = fwd_bwd_fn("layer_norm", impl)(x, scale, bias, dy)
+    check_against_reference("layer_norm", x, scale, bias, dy, y, grads)
+
+
 # ----------------------------------------------------- primitive-level tests ---
 
 @pytest.mark.parametrize("impl", IMPLS)
