@@ -1,8 +1,10 @@
 """Issue 20, items 2-3 from `python -m jax_ops.bench --json` sweeps: per (op, dtype, mode), at
-each width, auto's % of the same-bytes copy (fwd: 2X, fwd_bwd: 5X, 8X for add+norm), the
-baseline's time over auto's (xFLAX), the most any kernel can beat the baseline by (max xN:
-the baseline's time over the copy's, the copy being the floor) and auto's µs.
-Usage: python benchmarks/sweep_percent.py RESULTS.json [...]"""
+each width, auto's % of the copy of the mode's minimum bytes (the bench's copy: fwd 2X, bwd
+3X, fwd_bwd 5X for a plain norm; 4X / 4X / 8X for add+norm), the baseline's time over
+auto's (xN), the baseline's time over the copy's (max xN: what a kernel at the copy's speed
+would reach) and auto's µs. Points are keyed without rows: a later file's point replaces an
+earlier one's. Files that are not sweeps (no records) are skipped.
+Usage: python benchmarks/sweep_percent.py SWEEP.json [...]"""
 import sys
 from collections import defaultdict
 
@@ -12,7 +14,12 @@ from jax_ops.bench.report import read_json
 def main():
     by = defaultdict(dict)
     for path in sys.argv[1:]:
-        for r in read_json(path)[1]:
+        try:
+            records = read_json(path)[1]
+        except ValueError as e:
+            print(f"skipped {path}: {e}", file=sys.stderr)
+            continue
+        for r in records:
             by[r.op, r.dtype, r.mode, r.cols][r.impl] = r
     for op, dtype, mode in sorted({k[:3] for k in by}):
         cells = []
