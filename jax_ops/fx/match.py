@@ -316,6 +316,18 @@ def _jaxpr_identity(j) -> tuple:
     return str(inner), src, tuple(np.asarray(c).tobytes() for c in consts)
 
 
+def _jaxpr_difference(key, a, b) -> str | None:
+    """For two nested jaxprs (a custom_jvp_call's body, say), their first differing
+    equation as the near miss's reason: "call_jaxpr=<jaxpr>" on both sides says nothing."""
+    if not all(isinstance(j, (jcore.ClosedJaxpr, jcore.Jaxpr)) for j in (a, b)):
+        return None
+    lines = [[ln.strip() for ln in str(getattr(j, "jaxpr", j)).splitlines()] for j in (a, b)]
+    for la, lb in zip(*lines):
+        if la != lb:
+            return f"{key}: {la} where the pattern has {lb}"
+    return None
+
+
 def _param_equal(a, b) -> bool:
     if isinstance(a, (jcore.ClosedJaxpr, jcore.Jaxpr)) or isinstance(b, (jcore.ClosedJaxpr, jcore.Jaxpr)):
         return type(a) is type(b) and _jaxpr_identity(a) == _jaxpr_identity(b)
@@ -431,7 +443,7 @@ def exact(ref: Graph, arg_of_input: dict, args: dict, anchor: Node) -> Verified:
         for key in sorted(set(gn.params) | set(pn.params)):
             if key not in gn.params or key not in pn.params or not _param_equal(gn.params[key], pn.params[key]):
                 gp, pp = gn.params.get(key), pn.params.get(key)
-                differ(gn, f"{key}={_short(gp)} where the pattern has {key}={_short(pp)}")
+                differ(gn, _jaxpr_difference(key, gp, pp) or f"{key}={_short(gp)} where the pattern has {key}={_short(pp)}")
                 break
         else:
             if len(gn.outputs) != len(pn.outputs) or not all(
