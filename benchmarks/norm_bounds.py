@@ -1,6 +1,7 @@
 """Measured bounds for the norms' remaining issue-20 misses (GPU only).
 
     python3 benchmarks/norm_bounds.py kernels [OPS] [COLS]   # the kernel-structure bound
+    python3 benchmarks/norm_bounds.py narrow [OPS] [COLS]    # the two-kernel bound at narrow rows
     python3 benchmarks/norm_bounds.py params [COLS]          # float32 parameters at long rows
 
 kernels: a training norm runs three kernels (the forward; the backward, which writes
@@ -11,6 +12,14 @@ CUPTI, a kernel a set), is what any kernel of that structure can at best take, f
 per-kernel cost included. This prints, per op and width: each cuda kernel's time next to
 the copy of its bytes, their sums, and both percentages (the target's 5X copy over the
 three copies: the most this structure can reach; over ours: where we are).
+
+narrow: at 32-128 columns every kernel is a few MB and its fixed cost weighs. Any training
+step runs at least two kernels (the backward needs dy, which the user's code makes after
+the forward). Each is timed against the fastest kernel of its floor bytes measured here:
+a copy, XLA's fusion of an elementwise map over the same arrays (forward: x*2, add+norm
+(x+r, x-r); backward: x+dy, add+norm h+dy+dh), and our own kernel (ours moves the
+statistics too, so it can only be slower for the same work). The sum of the two fastest
+over the target's one copy is the most a two-kernel step reaches, measured.
 
 params: at 65536 columns a row's float32 scale and bias are 4x its bf16 bytes and are
 re-read from L2 by every row. XLA's own fusion of the same affine map with broadcast
@@ -114,6 +123,53 @@ def kernels(ops: list[str], cols_list: list[int]) -> None:
             sys.stdout.flush()
 
 
+def _elementwise(op: str, mode: str):
+    """XLA's fusion of an elementwise map over the arrays of op's `mode` kernel."""
+    add = op.startswith("add_")
+    if mode == "fwd":
+        return (lambda x, r: (x + r, x - r)) if add else (lambda x: x * 2)
+    return (lambda h, d, dh: h + d + dh) if add else (lambda x, d: x + d)
+
+
+def narrow(ops: list[str], cols_list: list[int]) -> None:
+    dtype = bench.DTYPES["bf16"]
+    print(f"two-kernel bound at narrow rows, bf16, rows {ROWS}, {jax.devices()[0].device_kind}; us per call")
+    print("op cols | fwd: copy xla ours -> min | bwd: copy xla ours(main) -> min | two-kernel floor, "
+          "target copy, ours step | %: most ours | floor speed-up for 0.85")
+    for op in ops:
+        add = op.startswith("add_")
+        for cols in cols_list:
+            floor = bench.min_bytes(op, "fwd_bwd", ROWS, cols, dtype)
+            k = bench.num_sets(floor, 512 * bench.MB, 20 * bench.GB, 48)
+            sets = bench.make_sets(op, dtype, ROWS, cols, k, with_dy=True, seed=0)
+            f, args = bench.timed_call(op, "cuda", "fwd_bwd", dtype, sets)
+            by = {"fwd": 0.0, "bwd": 0.0, "sums": 0.0, "other": 0.0}
+            for name, us in kernel_times(f, args, k).items():
+                by[kernel_kind(name)] += us
+            del args, sets
+            key = jax.random.key(1)
+            arrays = [[jax.random.normal(jax.random.fold_in(key, 8 * i + j), (ROWS, cols), dtype)
+                       for j in range(3 if add else 2)] for i in range(k)]
+            jax.block_until_ready(arrays)
+            fwd_in = [tuple(a[:2]) if add else (a[0],) for a in arrays]
+            row = {}
+            for mode, ins, ours in (("fwd", fwd_in, by["fwd"]), ("bwd", arrays, by["bwd"])):
+                row[mode] = (bench.copy_us(bench.min_bytes(op, mode, ROWS, cols, dtype), k, timer=TIMER,
+                                           repeats=REPEATS),
+                             _median_us(_elementwise(op, mode), ins), ours)
+            del arrays, fwd_in
+            target = bench.copy_us(floor, k, timer=TIMER, repeats=REPEATS)
+            # The smoke run (TIMER=wall) has no kernel breakdown: ours is 0 there, left out.
+            fastest = {m: min(t for t in row[m] if t > 0) for m in row}
+            two = fastest["fwd"] + fastest["bwd"]
+            step = sum(by.values())
+            print(f"{op} {cols} | " + " | ".join(f"{m}: " + " ".join(f"{t:.2f}" for t in row[m])
+                                                   + f" -> {fastest[m]:.2f}" for m in ("fwd", "bwd"))
+                  + f" | {two:.2f} {target:.2f} {step:.2f} | {100 * target / two:.1f} {100 * target / step:.1f}"
+                  f" | {two * 0.85 / target:.3f}  (sums {by['sums']:.2f}, K={k})")
+            sys.stdout.flush()
+
+
 def _median_us(fn, sets) -> float:
     return bench.measure(fn, sets=sets, repeats=REPEATS, timer=TIMER)
 
@@ -173,6 +229,9 @@ def main() -> None:
         ops = (sys.argv[2] if len(sys.argv) > 2 else "layer_norm,rms_norm,add_layer_norm,add_rms_norm").split(",")
         cols = [int(c) for c in (sys.argv[3] if len(sys.argv) > 3 else "32,64,128,256,1024").split(",")]
         kernels(ops, cols)
+    elif what == "narrow":
+        ops = (sys.argv[2] if len(sys.argv) > 2 else "layer_norm,rms_norm,add_layer_norm,add_rms_norm").split(",")
+        narrow(ops, [int(c) for c in (sys.argv[3] if len(sys.argv) > 3 else "32,64,128").split(",")])
     elif what == "params":
         params([int(c) for c in (sys.argv[2] if len(sys.argv) > 2 else "16384,65536").split(",")])
     else:

@@ -69,7 +69,7 @@ struct LaunchQuery {
 };
 
 enum LaunchQueryKind { kQuerySmCount, kQueryMaxSmem, kQueryCcMajor, kQueryBlocksPerSm, kQueryClusters,
-                       kQueryStaticSmem, kQueryBinaryVersion, kQuerySmemOptIn };
+                       kQueryStaticSmem, kQueryBinaryVersion, kQuerySmemOptIn, kQueryMemClockKhz, kQueryBusBits };
 
 struct LaunchQueryCache {
   std::mutex mu;
@@ -120,6 +120,14 @@ inline int device_attribute(cudaDeviceAttr attr, LaunchQueryKind kind, int fallb
 
 // Number of multiprocessors of the current device.
 inline int sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, kQuerySmCount, 132); }
+
+// Peak DRAM bandwidth of the current device in GB/s: two transfers a memory clock (kHz)
+// over the bus (bits); 0 where the device does not say. H100 SXM 3352, H200 4915.
+inline double dram_peak_gbps() {
+  const double khz = device_attribute(cudaDevAttrMemoryClockRate, kQueryMemClockKhz, 0);
+  const double bits = device_attribute(cudaDevAttrGlobalMemoryBusWidth, kQueryBusBits, 0);
+  return 2.0 * khz * 1e3 * bits / 8.0 / 1e9;
+}
 
 inline int max_smem_per_block() {
   return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, kQueryMaxSmem, 48 * 1024);

@@ -2328,6 +2328,15 @@ inline int tail_values_per_lane(int64_t cols) {
   return r <= 0 || r > 128 ? 0 : (r <= 32 ? 1 : (r <= 64 ? 2 : 4));
 }
 
+// The tail kernels' knobs JAX_OPS_NORM_FWD_TAIL / JAX_OPS_NORM_BWD_TAIL: 0 never, 1 where
+// the rules below take them (default), 2 wherever they apply, on any GPU. add+norm's rules
+// differ between the two GPUs measured (both sm_90 with 132 SMs), so they key on what
+// tells those apart: the peak DRAM bandwidth, H100 SXM 3.35 and H200 4.9 TB/s
+// (docs/perf-notes.md, thirty-fifth and thirty-sixth sessions). Unmeasured on other GPUs.
+constexpr double kTailFastDramGbps = 4000;
+
+inline bool tail_by_device(int knob) { return knob == 2 || dram_peak_gbps() >= kTailFastDramGbps; }
+
 // launch(std::integral_constant<int, E>{}) for e = 1, 2 or 4.
 template <typename Launch>
 cudaError_t with_tail_values(int e, Launch&& launch) {
@@ -2448,11 +2457,13 @@ cudaError_t fwd_regs_dispatch(const FwdAddArgs& a, cudaStream_t stream) {
   // 320 36.7 -> 34.55, 336 37.9 -> 35.95; add_rms_norm 288 33.1 -> 30.3, 336 the same; at
   // 384, every lane's tail full, 1.04x slower (add_layer_norm 39.35 -> 41.1, add_rms_norm
   // 38.55 -> 40.25); 337-383 not measured, the cut at 352 a guess between (thirty-fourth
-  // session; docs/perf-notes.md). Knob JAX_OPS_NORM_FWD_TAIL=0 turns it off.
+  // session; docs/perf-notes.md). On the H100 add+norm's forward tail measured 1.02-1.06x
+  // slower (add_layer_norm 320 45.7 -> 47.6, add_rms_norm 352 49.5 -> 51.9; thirty-fifth
+  // session), so add+norm takes it only where tail_by_device. Knob JAX_OPS_NORM_FWD_TAIL.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
-    static const bool tail = env_knob("JAX_OPS_NORM_FWD_TAIL", 1) != 0;
-    const int e = tail ? tail_values_per_lane(a.cols) : 0;
-    if (e != 0 && (!kAdd || a.cols <= 352))
+    static const int tail = env_knob("JAX_OPS_NORM_FWD_TAIL", 1);
+    const int e = tail != 0 ? tail_values_per_lane(a.cols) : 0;
+    if (e != 0 && (!kAdd || (a.cols <= 352 && tail_by_device(tail))))
       return with_tail_values(e, [&](auto ev) { return launch_fwd_tail<T, P, decltype(ev)::value, L>(a, stream); });
   }
   return dispatch_group_shape_thirds<PACK, fwd_regs_max_cols<T, PACK>(), false, kThirdsTypes<T, PACK> && kAdd>(
@@ -2983,11 +2994,13 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   // 43.6), so not it; add_layer_norm 320 43.05 -> 40.55; RMSNorm 336 f16 31.1 -> 31.4 (bf16
   // 31.1 -> 30.8). Rows a warp (bwd_tail_rows): LayerNorm at 2 a lane (296-320), 1.02x slower
   // at one row a warp (320 31.45 -> 32.05), is taken at two (thirty-fourth session: 320
-  // 31.8 -> 27.9, 296 31.05 -> 26.55). Knob JAX_OPS_NORM_BWD_TAIL=0 turns it off.
+  // 31.8 -> 27.9, 296 31.05 -> 26.55). On the H100 add_layer_norm's tail at 2 or 4 a lane
+  // measured the same or slower (320 51.6 -> 54.4, 352 55.6 -> 57.9; thirty-fifth session),
+  // so there it takes it only where tail_by_device. Knob JAX_OPS_NORM_BWD_TAIL.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
-    static const bool tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1) != 0;
-    const int e = tail ? tail_values_per_lane(a.cols) : 0;
-    if (e == 1 || (e != 0 && !(kAdd && S::kRms)))
+    static const int tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1);
+    const int e = tail != 0 ? tail_values_per_lane(a.cols) : 0;
+    if (e == 1 || (e != 0 && !kAdd) || (e != 0 && !S::kRms && tail_by_device(tail)))
       return with_tail_values(
           e, [&](auto ev) { return launch_bwd_tail<T, P, decltype(ev)::value, S>(a, stream, plan); });
   }

@@ -306,11 +306,16 @@ class Mismatch(Exception):
         self.reason, self.depth = reason, depth
 
 
+def _open_jaxpr(j):
+    """The Jaxpr of a nested jaxpr param (a ClosedJaxpr's, or j itself)."""
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
 def _jaxpr_identity(j) -> tuple:
     """A comparable form of a nested jaxpr: its printed text (variables renamed
     canonically by the printer), its consts and, for custom_jvp/custom_vjp bodies,
     the Python function it was traced from (same function => same derivative rule)."""
-    inner = j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+    inner = _open_jaxpr(j)
     consts = j.consts if isinstance(j, jcore.ClosedJaxpr) else ()
     src = getattr(getattr(inner, "debug_info", None), "func_src_info", None)
     return str(inner), src, tuple(np.asarray(c).tobytes() for c in consts)
@@ -321,7 +326,7 @@ def _jaxpr_difference(key, a, b) -> str | None:
     equation as the near miss's reason: "call_jaxpr=<jaxpr>" on both sides says nothing."""
     if not all(isinstance(j, (jcore.ClosedJaxpr, jcore.Jaxpr)) for j in (a, b)):
         return None
-    lines = [[ln.strip() for ln in str(getattr(j, "jaxpr", j)).splitlines()] for j in (a, b)]
+    lines = [[ln.strip() for ln in str(_open_jaxpr(j)).splitlines()] for j in (a, b)]
     for la, lb in zip(*lines):
         if la != lb:
             return f"{key}: {la} where the pattern has {lb}"
