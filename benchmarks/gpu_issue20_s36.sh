@@ -3,8 +3,8 @@
 # - tailab: add+norm's tail kernels by device (tail_by_device: on the H100 the forward
 #   tail off, add_layer_norm's backward tail only at one value a lane) against
 #   JAX_OPS_NORM_FWD_TAIL=2,BWD_TAIL=2 (the tail wherever it applies), bf16, two passes;
-# - sw3: item 3 at the tail widths, add+norm bf16 and f16 fwd_bwd, auto / cuda / flax;
 # - narrow: the two-kernel bound at 32-128 columns (norm_bounds.py narrow);
+# - sw3: item 3 at the tail widths, add+norm bf16 and f16 fwd_bwd, auto / cuda / flax;
 # - tests: the norm tests (the tail kernels' large-offset cases first run on a GPU);
 # - san: memcheck / synccheck of the four ops, bf16 / f16, 301 rows x SAN_COLS;
 # - gpt2: Hugging Face's Flax GPT-2 training step, original and optimize(), with jax's
