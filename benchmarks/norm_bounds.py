@@ -93,22 +93,33 @@ def structure_bytes(op: str, rows: int, cols: int, itemsize: int) -> dict[str, i
     }
 
 
+def _header(title: str, columns: str):
+    """Prints the table's title and column line; the dtype measured (bf16)."""
+    print(f"{title}, bf16, rows {ROWS}, {jax.devices()[0].device_kind}; us per call")
+    print(columns)
+    return bench.DTYPES["bf16"]
+
+
+def _cuda_step(op: str, cols: int, dtype):
+    """(fwd_bwd floor bytes, K sets, kernel name -> us, us by kernel_kind) of op's cuda
+    training step at ROWS x cols."""
+    floor = bench.min_bytes(op, "fwd_bwd", ROWS, cols, dtype)
+    k = bench.num_sets(floor, 512 * bench.MB, 20 * bench.GB, 48)
+    sets = bench.make_sets(op, dtype, ROWS, cols, k, with_dy=True, seed=0)
+    f, args = bench.timed_call(op, "cuda", "fwd_bwd", dtype, sets)
+    times = kernel_times(f, args, k)
+    by = {"fwd": 0.0, "bwd": 0.0, "sums": 0.0, "other": 0.0}
+    for name, us in times.items():
+        by[kernel_kind(name)] += us
+    return floor, k, times, by
+
+
 def kernels(ops: list[str], cols_list: list[int]) -> None:
-    dtype = bench.DTYPES["bf16"]
-    print(f"kernel-structure bound, bf16, rows {ROWS}, {jax.devices()[0].device_kind}; us per call")
-    print("op cols | fwd ours/copy | bwd ours/copy | sums ours/copy | other | ours 3-copy target-copy "
-          "| target%: 3-copy ours | ours/3-copy")
+    dtype = _header("kernel-structure bound", "op cols | fwd ours/copy | bwd ours/copy | sums ours/copy | other "
+                    "| ours 3-copy target-copy | target%: 3-copy ours | ours/3-copy")
     for op in ops:
         for cols in cols_list:
-            floor = bench.min_bytes(op, "fwd_bwd", ROWS, cols, dtype)
-            k = bench.num_sets(floor, 512 * bench.MB, 20 * bench.GB, 48)
-            sets = bench.make_sets(op, dtype, ROWS, cols, k, with_dy=True, seed=0)
-            f, args = bench.timed_call(op, "cuda", "fwd_bwd", dtype, sets)
-            times = kernel_times(f, args, k)
-            del args, sets
-            by = {"fwd": 0.0, "bwd": 0.0, "sums": 0.0, "other": 0.0}
-            for name, us in times.items():
-                by[kernel_kind(name)] += us
+            floor, k, times, by = _cuda_step(op, cols, dtype)
             nb = structure_bytes(op, ROWS, cols, 2)
             copies = {part: bench.copy_us(nb[part], k, timer=TIMER, repeats=REPEATS)
                       for part in ("fwd", "bwd", "sums")}
@@ -132,21 +143,13 @@ def _elementwise(op: str, mode: str):
 
 
 def narrow(ops: list[str], cols_list: list[int]) -> None:
-    dtype = bench.DTYPES["bf16"]
-    print(f"two-kernel bound at narrow rows, bf16, rows {ROWS}, {jax.devices()[0].device_kind}; us per call")
-    print("op cols | fwd: copy xla ours -> min | bwd: copy xla ours(main) -> min | two-kernel floor, "
-          "target copy, ours step | %: most ours | floor speed-up for 0.85")
+    dtype = _header("two-kernel bound at narrow rows", "op cols | fwd: copy xla ours -> min | bwd: copy xla "
+                    "ours(main) -> min | two-kernel floor, target copy, ours step | %: most ours "
+                    "| floor speed-up for 0.85")
     for op in ops:
         add = op.startswith("add_")
         for cols in cols_list:
-            floor = bench.min_bytes(op, "fwd_bwd", ROWS, cols, dtype)
-            k = bench.num_sets(floor, 512 * bench.MB, 20 * bench.GB, 48)
-            sets = bench.make_sets(op, dtype, ROWS, cols, k, with_dy=True, seed=0)
-            f, args = bench.timed_call(op, "cuda", "fwd_bwd", dtype, sets)
-            by = {"fwd": 0.0, "bwd": 0.0, "sums": 0.0, "other": 0.0}
-            for name, us in kernel_times(f, args, k).items():
-                by[kernel_kind(name)] += us
-            del args, sets
+            floor, k, _, by = _cuda_step(op, cols, dtype)
             key = jax.random.key(1)
             arrays = [[jax.random.normal(jax.random.fold_in(key, 8 * i + j), (ROWS, cols), dtype)
                        for j in range(3 if add else 2)] for i in range(k)]
