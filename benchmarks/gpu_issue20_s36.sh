@@ -2,7 +2,7 @@
 # Device calls of the thirty-sixth session (issue 20), on the H100. Stages:
 # - tailab: add+norm's tail kernels by device (tail_by_device: on the H100 the forward
 #   tail off, add_layer_norm's backward tail only at one value a lane) against
-#   JAX_OPS_NORM_FWD_TAIL=2,BWD_TAIL=2 (the tail wherever it applies), bf16, two passes;
+#   JAX_OPS_NORM_FWD_TAIL=2,BWD_TAIL=2 (the tails as on a fast-DRAM GPU), bf16, two passes;
 # - narrow: the two-kernel bound at 32-128 columns (norm_bounds.py narrow);
 # - sw3: item 3 at the tail widths, add+norm bf16 and f16 fwd_bwd, auto / cuda / flax;
 # - tests: the norm tests (the tail kernels' large-offset cases first run on a GPU);
@@ -15,7 +15,7 @@ set -uo pipefail
 source benchmarks/gpu_extension.sh
 STAGES=${1:-tests}
 source benchmarks/gpu_stages.sh
-nvidia-smi --query-gpu=clocks.max.memory --format=csv | tee -a "$OUT/env.txt"  # tail_by_device's input
+python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
 ADD_TAIL_COLS=264,288,296,320,336,352
 # has STAGE, and less than SKIP_AFTER s (default 400) of the call are gone.
 starts() {

@@ -17,9 +17,10 @@ narrow: at 32-128 columns every kernel is a few MB and its fixed cost weighs. An
 step runs at least two kernels (the backward needs dy, which the user's code makes after
 the forward). Each is timed against the fastest kernel of its floor bytes measured here:
 a copy, XLA's fusion of an elementwise map over the same arrays (forward: x*2, add+norm
-(x+r, x-r); backward: x+dy, add+norm h+dy+dh), and our own kernel (ours moves the
-statistics too, so it can only be slower for the same work). The sum of the two fastest
-over the target's one copy is the most a two-kernel step reaches, measured.
+(x+r, x-r); backward: x+dy, add+norm h+dy+dh), and our own kernel (which moves more: the
+statistics, the partial rows). The sum of the two fastest over the target's one copy is an
+upper bound on a two-kernel step, not a reachable figure: it assumes a backward that
+recomputes the statistics and reduces dscale / dbias for free.
 
 params: at 65536 columns a row's float32 scale and bias are 4x its bf16 bytes and are
 re-read from L2 by every row. XLA's own fusion of the same affine map with broadcast

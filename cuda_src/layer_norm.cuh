@@ -2329,11 +2329,12 @@ inline int tail_values_per_lane(int64_t cols) {
 }
 
 // The tail kernels' knobs JAX_OPS_NORM_FWD_TAIL / JAX_OPS_NORM_BWD_TAIL: 0 never, 1 where
-// the rules below take them (default), 2 wherever they apply, on any GPU. add+norm's rules
-// differ between the two GPUs measured (both sm_90 with 132 SMs), so they key on what
-// tells those apart: the peak DRAM bandwidth, H100 SXM 3.35 and H200 4.9 TB/s
-// (docs/perf-notes.md, thirty-fifth and thirty-sixth sessions). Unmeasured on other GPUs.
-constexpr double kTailFastDramGbps = 4000;
+// the rules below take them (default), 2 as on a fast-DRAM GPU, whatever the device.
+// add+norm's rules differ between the two GPUs measured (both sm_90 with 132 SMs), so they
+// key on what tells those apart: the peak DRAM bandwidth, H100 SXM 3.35 and H200 4.9 TB/s
+// (docs/perf-notes.md, thirty-fifth and thirty-sixth sessions). The cut lies between HBM3
+// parts (at most 4.0 TB/s) and HBM3e ones (4.8 and up); unmeasured on other GPUs.
+constexpr double kTailFastDramGbps = 4400;
 
 inline bool tail_by_device(int knob) { return knob == 2 || dram_peak_gbps() >= kTailFastDramGbps; }
 
@@ -2902,7 +2903,8 @@ int bwd_regs_block_threads() {
 // add_rms_norm 264 33.25 -> 35.15), so there only LayerNorm's, whose registers leave its
 // blocks an SM as they were (127 at 264-384). Knob JAX_OPS_NORM_BWD_HOIST_SCALE=0 turns it off.
 // Since the tail rule (bwd_regs_dispatch) takes 16-bit rows of 257-384 columns, these two
-// serve them only with JAX_OPS_NORM_BWD_TAIL=0 (and add_rms_norm's past 288).
+// serve them only with JAX_OPS_NORM_BWD_TAIL=0, add_rms_norm's past 288 and, below the
+// tail's DRAM bandwidth (tail_by_device), add_layer_norm's past 288.
 template <typename T, int PACK, int VPT, int WIDTH, typename S>
 bool bwd_hoist_scale(const BwdArgs& a) {
   static const bool on = env_knob("JAX_OPS_NORM_BWD_HOIST_SCALE", 1) != 0;
