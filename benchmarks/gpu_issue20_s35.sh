@@ -22,14 +22,6 @@ source benchmarks/gpu_stages.sh
 LN_COLS=32,128,256,264,288,320,384,512,768,1024,2048,4096,8192,16384,32768
 ADD_COLS=32,128,256,264,288,320,384,512,1024,2048,4096,8192,16384
 DT_COLS=32,128,264,320,384,1024,4096,16384
-# has STAGE, and less than SKIP_AFTER s (default 400) of the call are gone. It only keeps
-# a stage from starting late; set SKIP_AFTER so that the stages' own timeouts end inside
-# the 600 s limit, or packing the results is lost.
-starts() {
-  has $1 || return 1
-  [ $((SECONDS - t0)) -lt ${SKIP_AFTER:-400} ] && return 0
-  echo "skipped $1: time" | tee -a "$LOG"; return 1
-}
 has ws && workspace_stage
 has tables && OP_TIMEOUT=${OP_TIMEOUT:-150} table_specs "${TABLE_SPECS:?tables needs TABLE_SPECS}"
 has swA && SWEEP_OPS="layer_norm rms_norm" SWEEP_COLS=$LN_COLS sweep_dtype bf16

@@ -17,12 +17,6 @@ STAGES=${1:-tests}
 source benchmarks/gpu_stages.sh
 python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
 ADD_TAIL_COLS=264,288,296,320,336,352
-# has STAGE, and less than SKIP_AFTER s (default 400) of the call are gone.
-starts() {
-  has $1 || return 1
-  [ $((SECONDS - t0)) -lt ${SKIP_AFTER:-400} ] && return 0
-  echo "skipped $1: time" | tee -a "$LOG"; return 1
-}
 starts tailab && cfg_sweep tailab "default FWD_TAIL=2,BWD_TAIL=2 default FWD_TAIL=2,BWD_TAIL=2" bf16 --rows 49152 \
   --op add_layer_norm,add_rms_norm --mode fwd,bwd --cols $ADD_TAIL_COLS
 if starts narrow; then
