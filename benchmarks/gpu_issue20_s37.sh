@@ -1,0 +1,37 @@
+#!/bin/bash
+# Issue 20, thirty-seventh session, on whichever GPU is lent (stages, a comma list):
+# - probe: benchmarks/narrow_fold_probe.cu, what folding the narrow backward's column
+#   sums into it saves (a mock LayerNorm step at 32-128 columns as CUDA graphs: the sums
+#   kernel, the same with PDL, the sums kernel with 16-byte loads, an empty third kernel,
+#   a two-level ticket with a memset or forward-zeroed counters, its tickets alone, the
+#   partial rows alone, none); ticket groups of about sqrt(blocks), 16 and 64 blocks
+#   (PROBE_GROUPS), 49152 rows; 8192 and 1000 rows too;
+# - tailab: add+norm's tail kernels by device, the default against JAX_OPS_NORM_FWD_TAIL=0,
+#   BWD_TAIL=0 (on an H200 the default takes them), bf16, two passes;
+# - sw: the H200 sweep of the four ops' fwd_bwd at a few widths (issue 20's "one H200
+#   run of the norm sweep" refreshed with tail_by_device).
+# Usage: bash benchmarks/gpu_issue20_s37.sh stages
+set -uo pipefail
+STAGES=${1:-probe}
+if [[ ",$STAGES," == *",probe,"* ]]; then  # no extension needed
+  OUT=${OUT:-/tmp/out}
+  (cd benchmarks && nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/nfp narrow_fold_probe.cu) &&
+    { nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
+      for g in ${PROBE_GROUPS:-0 16 64}; do echo "== G=$g"; /tmp/nfp 49152 $g; done
+      echo "== 8192 rows"; /tmp/nfp 8192 0
+      echo "== 1000 rows, G=7"; /tmp/nfp 1000 7; } > "$OUT/probe.txt" 2>&1
+  cat "$OUT/probe.txt"
+  [[ "$STAGES" == probe ]] && exit 0
+fi
+source benchmarks/gpu_extension.sh
+source benchmarks/gpu_stages.sh
+python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
+ADD_TAIL_COLS=264,288,296,320,336,352
+starts tailab && cfg_sweep tailab "default FWD_TAIL=0,BWD_TAIL=0 default FWD_TAIL=0,BWD_TAIL=0" bf16 --rows 49152 \
+  --op add_layer_norm,add_rms_norm --mode fwd,bwd --cols $ADD_TAIL_COLS
+if starts sw; then
+  SWEEP_OPS="${OPS4//,/ }" SWEEP_MODES=fwd_bwd SWEEP_COLS=32,64,128,264,320,384,1024,4096,16384 SWEEP_65536=0 \
+    sweep_dtype bf16
+fi
+finish_call "log|env|auto_vs_best|probe|tailab"
+exit 0
