@@ -8,6 +8,11 @@
 #   (PROBE_GROUPS), 49152 rows; 8192 and 1000 rows too;
 # - tailab: add+norm's tail kernels by device, the default against JAX_OPS_NORM_FWD_TAIL=0,
 #   BWD_TAIL=0 (on an H200 the default takes them), bf16, two passes;
+# - sumsab: the column sums kernel with 16-byte loads (JAX_OPS_NORM_SUMS_VEC: 0 off, 1 or 2
+#   the fewest float4s a block) against the scalar one, bf16 bwd, LayerNorm and
+#   add_rms_norm at 32-352 columns, two passes. The knob exists only in an extension built
+#   with benchmarks/results/2026-12-07_H100_s37/run6/sums_vec.patch applied (measured no faster, not
+#   kept);
 # - sw: the H200 sweep of the four ops' fwd_bwd at a few widths (issue 20's "one H200
 #   run of the norm sweep" refreshed with tail_by_device).
 # Usage: bash benchmarks/gpu_issue20_s37.sh stages
@@ -29,9 +34,11 @@ python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's
 ADD_TAIL_COLS=264,288,296,320,336,352
 starts tailab && cfg_sweep tailab "default FWD_TAIL=0,BWD_TAIL=0 default FWD_TAIL=0,BWD_TAIL=0" bf16 --rows 49152 \
   --op add_layer_norm,add_rms_norm --mode fwd,bwd --cols $ADD_TAIL_COLS
+starts sumsab && KNOB_TIMEOUT=60 knob_sweep sumsab JAX_OPS_NORM_SUMS_VEC "0 1 2 0 1 2" --rows 49152 \
+  --op layer_norm,add_rms_norm --mode bwd --cols 32,64,128,288,320,352
 if starts sw; then
   SWEEP_OPS="${OPS4//,/ }" SWEEP_MODES=fwd_bwd SWEEP_COLS=32,64,128,264,320,384,1024,4096,16384 SWEEP_65536=0 \
     sweep_dtype bf16
 fi
-finish_call "log|env|auto_vs_best|probe|tailab"
+finish_call "log|env|auto_vs_best|probe|tailab|sumsab"
 exit 0
