@@ -13,23 +13,29 @@
 #   add_rms_norm at 32-352 columns, two passes. The knob exists only in an extension built
 #   with benchmarks/results/2026-12-07_H100_s37/run6/sums_vec.patch applied (measured no faster, not
 #   kept);
-# - sw: the H200 sweep of the four ops' fwd_bwd at a few widths (issue 20's "one H200
-#   run of the norm sweep" refreshed with tail_by_device).
+# - sw: the four ops' bf16 fwd_bwd sweep at 32-16384 columns, auto / cuda / flax, on
+#   whichever GPU is lent (meant for issue 20's H200 run of the norm sweep; run 1 got an H100).
 # Usage: bash benchmarks/gpu_issue20_s37.sh stages
 set -uo pipefail
 STAGES=${1:-probe}
+probe_t0=$SECONDS  # the call's clock (gpu_stages.sh's t0) starts here, before the probe
 if [[ ",$STAGES," == *",probe,"* ]]; then  # no extension needed
-  OUT=${OUT:-/tmp/out}
-  (cd benchmarks && nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/nfp narrow_fold_probe.cu) &&
+  OUT=${OUT:-/tmp/jax_ops_out}; mkdir -p "$OUT"
+  if (cd benchmarks && nvcc -std=c++17 -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/nfp narrow_fold_probe.cu) \
+      > "$OUT/probe_build.txt" 2>&1; then
     { nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv
       for g in ${PROBE_GROUPS:-0 16 64}; do echo "== G=$g"; /tmp/nfp 49152 $g; done
       echo "== 8192 rows"; /tmp/nfp 8192 0
       echo "== 1000 rows, G=7"; /tmp/nfp 1000 7; } > "$OUT/probe.txt" 2>&1
-  cat "$OUT/probe.txt"
+    cat "$OUT/probe.txt"
+  else
+    echo "probe: nvcc failed"; tail -20 "$OUT/probe_build.txt"; exit 1
+  fi
   [[ "$STAGES" == probe ]] && exit 0
 fi
 source benchmarks/gpu_extension.sh
 source benchmarks/gpu_stages.sh
+t0=$probe_t0
 python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
 ADD_TAIL_COLS=264,288,296,320,336,352
 starts tailab && cfg_sweep tailab "default FWD_TAIL=0,BWD_TAIL=0 default FWD_TAIL=0,BWD_TAIL=0" bf16 --rows 49152 \
