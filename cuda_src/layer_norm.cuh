@@ -2998,11 +2998,16 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   // at one row a warp (320 31.45 -> 32.05), is taken at two (thirty-fourth session: 320
   // 31.8 -> 27.9, 296 31.05 -> 26.55). On the H100 add_layer_norm's tail at 2 or 4 a lane
   // measured the same or slower (320 51.6 -> 54.4, 352 55.6 -> 57.9; thirty-fifth session),
-  // so there it takes it only where tail_by_device. Knob JAX_OPS_NORM_BWD_TAIL.
+  // so there it takes it only where tail_by_device. So does bfloat16 add_rms_norm at 1 a
+  // lane past 280 columns: on the H100 288 took 45.7-46.0 µs against 45.2-45.4 without
+  // (six passes), 264-280 the same, float16 264-280 0.7-1.0 µs faster with it (thirty-
+  // seventh and thirty-eighth sessions). Knob JAX_OPS_NORM_BWD_TAIL.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
     static const int tail = env_knob("JAX_OPS_NORM_BWD_TAIL", 1);
     const int e = tail != 0 ? tail_values_per_lane(a.cols) : 0;
-    if (e == 1 || (e != 0 && !kAdd) || (e != 0 && !S::kRms && tail_by_device(tail)))
+    const bool one_by_device = kAdd && S::kRms && std::is_same_v<T, bf16_t> && a.cols > 280;
+    if ((e == 1 && !one_by_device) || (e != 0 && !kAdd) ||
+        (e != 0 && tail_by_device(tail) && (e == 1 || !S::kRms)))
       return with_tail_values(
           e, [&](auto ev) { return launch_bwd_tail<T, P, decltype(ev)::value, S>(a, stream, plan); });
   }

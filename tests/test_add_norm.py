@@ -131,7 +131,8 @@ def _matrix():
 
 
 # 16-bit rows of 257-384 columns: the cuda forward (to 352 columns) and backward (every
-# width for add_layer_norm, to 288 for add_rms_norm) hold a 16-byte pack a lane and the
+# width for add_layer_norm, to 288 for add_rms_norm; some, such as bfloat16 add_rms_norm
+# at 281-288, only at >= 4.4 TB/s of DRAM bandwidth) hold a 16-byte pack a lane and the
 # last cols - 256 columns 1, 2 or 4 a lane on the first lanes (fwd_tail_kernel,
 # bwd_tail_kernel, one or two rows a warp); 360 / 384 the forward's two packs a lane
 # beside them. Each parameter variant and cotangent, odd row counts.

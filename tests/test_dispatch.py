@@ -344,6 +344,51 @@ def test_table_of_same_generation_serves_an_op_this_gpu_was_not_measured_for(mon
     assert dispatch._from_table(q, impls) is None
 
 
+def test_table_keeps_rows_of_whole_16_byte_words_apart(monkeypatch):
+    # Rows that are not a whole number of 16-byte words run the hand kernels a value a
+    # load (H100 bf16 LayerNorm 268: cuda 39.4 against pallas 28.7 us fwd), so they are
+    # looked up among their own class; an H200 table without them borrows the H100's.
+    h100 = dict(_table("NVIDIA H100 80GB HBM3", [
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=30.0, cuda=18.0, pallas=20.0),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 512, xla=60.0, cuda=36.0, pallas=40.0),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 268, xla=35.4, cuda=39.4, pallas=28.7),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 1001, xla=97.6, cuda=97.5, pallas=132.5),
+        _entry("layer_norm", "fwd", "float32", 49152, 268, xla=70.0, cuda=40.0, pallas=50.0),
+    ]), _path="h100.json")
+    h200 = dict(_table("NVIDIA H200", [
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=20.0, cuda=12.0, pallas=14.0),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 512, xla=40.0, cuda=24.0, pallas=28.0),
+    ]), _path="h200.json")
+    monkeypatch.setattr(dispatch, "_tables", lambda: (h100, h200))
+    impls = {i.name: i for i in registry.all_of("layer_norm")}
+
+    def pick(cols, kind="NVIDIA H100 80GB HBM3", dtype="bfloat16"):
+        return dispatch._from_table(Query("layer_norm", "fwd", "cuda", (49152, cols), dtype, kind), impls)
+
+    assert dispatch.whole_words(264, "bfloat16") and not dispatch.whole_words(268, "bfloat16")
+    assert dispatch.whole_words(268, "float32") and not dispatch.whole_words(270, "float32")
+    # 264 and 272 (whole words) interpolate between 256 and 512, never through 268.
+    for cols in (264, 272):
+        name, reason = pick(cols)
+        assert name == "cuda" and "bfloat16[49152,256..512], interpolated" in reason
+    # 268 is measured; 260 / 300 (not whole words) are nearest 268, 500 interpolates
+    # between 268 and 1001, pallas (28.7 -> 132.5) against xla (35.4 -> 97.6).
+    assert pick(268)[0] == "pallas" and "bfloat16[49152,268]:" in pick(268)[1]
+    assert pick(260)[0] == "pallas" and pick(300)[0] == "pallas"
+    name, reason = pick(500)
+    assert "bfloat16[49152,268..1001], interpolated" in reason
+    # float16 takes bfloat16's entries of its class; float32 268 is whole words (its own).
+    assert pick(268, dtype="float16")[0] == "pallas"
+    assert pick(268, dtype="float32")[0] == "cuda"
+    # The H200: its own entries for whole words; the H100's for the others, saying so.
+    assert pick(264, "NVIDIA H200")[1].startswith("measured table h200.json")
+    name, reason = pick(268, "NVIDIA H200")
+    assert name == "pallas" and "h100.json" in reason and "not of whole 16-byte words" in reason
+    # No table of that class anywhere: the table's own entries, as before.
+    monkeypatch.setattr(dispatch, "_tables", lambda: (h200,))
+    assert pick(268, "NVIDIA H200")[0] == "cuda"
+
+
 def test_shipped_tables_are_well_formed():
     tables = dispatch._tables()
     # H100 and H200 tables ship inside the package (installed, not just in the source tree).

@@ -13,7 +13,10 @@ static shapes, in this order:
    its width, gives each implementation's time (between two measured widths of that
    dtype, interpolated in log cols; an implementation with `tile_cols`, whose kernels
    pad a row, from the width of its own tile); the fastest one that supports the call
-   wins (within 0.5 %, a tie, cuda). Stages:
+   wins (within 0.5 %, a tie, cuda). Rows of a whole number of 16-byte words and rows
+   of others (the hand kernels' unvectorized loads) are looked up among their own
+   class's entries (whole_words), from a same-generation GPU's table where this GPU's
+   has none of that class. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed alone (fwd_res) for cuda / pallas where the run did, else as
    step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
@@ -239,6 +242,34 @@ def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tup
     return (us, f"{best['dtype']}[{best['rows']},{lo['cols']}..{hi['cols']}], {how}") if us else None
 
 
+def whole_words(cols: int, dtype: str) -> bool:
+    """Whether a row of `cols` values of `dtype` is a whole number of 16-byte words
+    (the hand kernels' vectorized loads)."""
+    size = _itemsize(dtype) or 4
+    return 16 % size != 0 or cols % (16 // size) == 0
+
+
+def _of_word_class(q: Query, table: dict, entries: list[dict]) -> tuple[list[dict], dict]:
+    """The entries (and their table) whose rows are whole 16-byte words where q's are
+    (whole_words), else those whose rows are not; where q's table has none of that class
+    for q's op and stage, those of another table of the same compute capability; else
+    all of q's table's."""
+    want = whole_words(q.cols, q.dtype)
+    same = [e for e in entries if whole_words(e["cols"], e["dtype"]) == want]
+    if same or not entries:
+        return same or entries, table
+    names = {n for e in entries for n in e["us"]}
+    cc = _table_device(table).compute_capability
+    for other in _tables():
+        if other is table or not cc or _table_device(other).compute_capability != cc:
+            continue
+        theirs = [e for e in other["entries"] if e["op"] == q.op and e["stage"] == entries[0]["stage"]
+                  and whole_words(e["cols"], e["dtype"]) == want and names & set(e["us"])]
+        if theirs:
+            return theirs, other
+    return entries, table
+
+
 def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
     table = _table_with_op(q)
     if table is None or q.cols is None:
@@ -247,6 +278,12 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     if not entries:  # e.g. no training-forward times: the plain forward's
         entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.stage]
     entries = [e for e in entries if any(n in candidates for n in e["us"])]
+    # Rows of a whole number of 16-byte words and rows of others are timed apart: the
+    # hand kernels load the latter a value at a time (H100, bf16, 4100 columns: LayerNorm
+    # fwd+bwd 2.3x slower than Pallas; docs/perf-notes.md, thirty-eighth session), so
+    # neither class's times stand for the other's. A table without entries of q's class
+    # takes them from one of the same compute capability (H200 <- H100).
+    entries, table = _of_word_class(q, table, entries)
     # Another dtype's entries stand in for one of the same width in bytes before any
     # other: which kernel tier serves a row depends on its bytes (H100, float32 LayerNorm
     # at 512 columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd). With none of
@@ -267,8 +304,13 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
         name = "cuda"
     times = ", ".join(f"{n} {t:.1f}us" for t, n in timed) + \
         (f" (within {_TIE:.1%} of {timed[0][1]}: a tie, cuda taken)" if name != timed[0][1] else "")
-    source = table_match(q.device_kind)[1] if table is table_for(q.device_kind) else \
-        f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {q.op})"
+    own = table_for(q.device_kind)
+    if table is own:
+        source = table_match(q.device_kind)[1]
+    else:
+        lacks = q.op if not any(e["op"] == q.op for e in own["entries"]) else (
+            f"{q.op} at rows {'of' if whole_words(q.cols, q.dtype) else 'not of'} whole 16-byte words")
+        source = f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {lacks})"
     return name, f"measured table {table['_path']} at {where}: {times} [{source}]"
 
 
