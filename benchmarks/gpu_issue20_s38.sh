@@ -47,10 +47,11 @@ if starts untable; then
   OP_TIMEOUT=${OP_TIMEOUT:-130} table_specs "${UNTABLE_SPECS:-bf16:$OPS4:36,100,268,1001,4100}"
 fi
 # unsweep: auto / cuda / pallas / flax fwd_bwd at such widths, measured (36-4100) and
-# between them (52, 500, 2052), LayerNorm and add_rms_norm, bf16 (the lookup's check).
+# between them (52, 500, 2052), LayerNorm and add_rms_norm, UNSWEEP_DT (default bf16; the
+# lookup's check).
 if starts unsweep; then
   SWEEP_IMPLS=auto,cuda,pallas,flax SWEEP_OPS="layer_norm add_rms_norm" SWEEP_MODES=fwd_bwd \
-    SWEEP_COLS=${UNSWEEP_COLS:-36,52,100,268,500,1001,2052,4100} SWEEP_65536=0 sweep_dtype bf16
+    SWEEP_COLS=${UNSWEEP_COLS:-36,52,100,268,500,1001,2052,4100} SWEEP_65536=0 sweep_dtype ${UNSWEEP_DT:-bf16}
 fi
 if starts item3; then
   for dt in bf16 f16; do

@@ -384,9 +384,29 @@ def test_table_keeps_rows_of_whole_16_byte_words_apart(monkeypatch):
     assert pick(264, "NVIDIA H200")[1].startswith("measured table h200.json")
     name, reason = pick(268, "NVIDIA H200")
     assert name == "pallas" and "h100.json" in reason and "not of whole 16-byte words" in reason
-    # No table of that class anywhere: the table's own entries, as before.
+    # Of the class but of another value size (float32 270 is not whole words) in this
+    # GPU's table: bfloat16 268 still borrows the H100's bfloat16 entries; float32 270
+    # takes its own table's.
+    h200["entries"].append(_entry("layer_norm", "fwd", "float32", 49152, 270, xla=60.0, cuda=30.0, pallas=80.0))
+    assert pick(268, "NVIDIA H200")[0] == "pallas"
+    assert pick(270, "NVIDIA H200", dtype="float32")[1].startswith("measured table h200.json")
+    # Borrowed entries must time a candidate: with pallas the only one, the H100's bwd
+    # entry of xla alone is no entry (it would leave nothing to pick), so the H200's own
+    # entries decide.
+    only = {n: impls[n] for n in ("pallas",)}
+    h100["entries"].append(_entry("layer_norm", "bwd", "bfloat16", 49152, 268, xla=50.0))
+    h200["entries"].append(_entry("layer_norm", "bwd", "bfloat16", 49152, 256, xla=9.0, pallas=8.0))
+    qb = Query("layer_norm", "bwd", "cuda", (49152, 268), "bfloat16", "NVIDIA H200")
+    name, reason = dispatch._from_table(qb, only)
+    assert name == "pallas" and reason.startswith("measured table h200.json")
+    # Of the class but of another value size only, and no other table: those entries
+    # (float32 270's cuda); no entry of the class anywhere: all of them, as before.
     monkeypatch.setattr(dispatch, "_tables", lambda: (h200,))
-    assert pick(268, "NVIDIA H200")[0] == "cuda"
+    assert "float32[49152,270]" in pick(268, "NVIDIA H200")[1]
+    bare = dict(_table("NVIDIA H200", h200["entries"][:2]), _path="bare.json")
+    monkeypatch.setattr(dispatch, "_tables", lambda: (bare,))
+    name, reason = pick(268, "NVIDIA H200")
+    assert name == "cuda" and "bfloat16[49152,256..512], interpolated" in reason
 
 
 def test_shipped_tables_are_well_formed():

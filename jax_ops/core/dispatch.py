@@ -249,25 +249,38 @@ def whole_words(cols: int, dtype: str) -> bool:
     return 16 % size != 0 or cols % (16 // size) == 0
 
 
-def _of_word_class(q: Query, table: dict, entries: list[dict]) -> tuple[list[dict], dict]:
+def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tuple[list[dict], dict]:
     """The entries (and their table) whose rows are whole 16-byte words where q's are
-    (whole_words), else those whose rows are not; where q's table has none of that class
-    for q's op and stage, those of another table of the same compute capability; else
-    all of q's table's."""
-    want = whole_words(q.cols, q.dtype)
-    same = [e for e in entries if whole_words(e["cols"], e["dtype"]) == want]
-    if same or not entries:
-        return same or entries, table
-    names = {n for e in entries for n in e["us"]}
+    (whole_words), else those whose rows are not, with a time of a candidate. Of q's
+    value size from q's table, else from another table of the same compute capability
+    (q's stage, else the plain stage's); else of any value size, q's table's first;
+    with none of q's class anywhere, q's table's entries as they are."""
+    want, size = whole_words(q.cols, q.dtype), _itemsize(q.dtype)
+
+    def of_class(es):
+        return [e for e in es if whole_words(e["cols"], e["dtype"]) == want
+                and any(n in candidates for n in e["us"])]
+
+    def sized(es):
+        return any(_itemsize(e["dtype"]) == size for e in es)
+
+    own = of_class(entries)
+    if not entries or sized(own):
+        return own or entries, table
     cc = _table_device(table).compute_capability
+    unsized = (own, table) if own else None
     for other in _tables():
         if other is table or not cc or _table_device(other).compute_capability != cc:
             continue
-        theirs = [e for e in other["entries"] if e["op"] == q.op and e["stage"] == entries[0]["stage"]
-                  and whole_words(e["cols"], e["dtype"]) == want and names & set(e["us"])]
-        if theirs:
+        for stage in dict.fromkeys((q.table_stage, q.stage)):
+            theirs = of_class([e for e in other["entries"] if e["op"] == q.op and e["stage"] == stage])
+            if theirs:
+                break
+        if sized(theirs):
             return theirs, other
-    return entries, table
+        if theirs and unsized is None:
+            unsized = (theirs, other)
+    return unsized or (entries, table)
 
 
 def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
@@ -280,10 +293,10 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     entries = [e for e in entries if any(n in candidates for n in e["us"])]
     # Rows of a whole number of 16-byte words and rows of others are timed apart: the
     # hand kernels load the latter a value at a time (H100, bf16, 4100 columns: LayerNorm
-    # fwd+bwd 2.3x slower than Pallas; docs/perf-notes.md, thirty-eighth session), so
+    # fwd+bwd 2.4x slower than Pallas; docs/perf-notes.md, thirty-eighth session), so
     # neither class's times stand for the other's. A table without entries of q's class
-    # takes them from one of the same compute capability (H200 <- H100).
-    entries, table = _of_word_class(q, table, entries)
+    # and value size takes them from one of the same compute capability (H200 <- H100).
+    entries, table = _of_word_class(q, table, entries, candidates)
     # Another dtype's entries stand in for one of the same width in bytes before any
     # other: which kernel tier serves a row depends on its bytes (H100, float32 LayerNorm
     # at 512 columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd). With none of
