@@ -3,14 +3,16 @@
 # - probe: benchmarks/narrow_fold_probe.cu at one ticket group size (about sqrt(blocks)),
 #   49152, 8192 and 1000 rows: its empty and vec variants, not yet run (gpu_issue20_s37.sh);
 # - tests: the add+norm tests of the tail widths and many-row shapes on the GPU;
-# - tailab: add_rms_norm's backward at one value a lane (257-288 columns), now taken only
-#   where tail_by_device, the default against JAX_OPS_NORM_BWD_TAIL=2 (as before: the tail
-#   on every GPU), bf16 and f16, two passes; add_layer_norm beside it (unchanged);
+# - tailab: add_rms_norm's backward at one value a lane (257-288 columns), the default
+#   (build Q: the tail only where tail_by_device; the tree since: so for bf16 past 280
+#   columns only) against JAX_OPS_NORM_BWD_TAIL=2 (the tail on every GPU), bf16 and f16,
+#   two passes; add_layer_norm beside it (unchanged);
 # - tailcut: the same A/B for add_rms_norm alone at 264-288 columns in steps of 4 (where
 #   the tail stops paying off in bf16; f16 measured it faster in tailab), two passes;
 # - untable: the dispatch table's entries at columns not a multiple of 8 (the unvectorized
 #   kernels, one value a load), bf16, the four ops, cuda / pallas / xla, fwd / bwd / step,
 #   merged into this GPU's table (UNTABLE_SPECS: DT:OPS:COLS, space separated);
+# - unsweep: auto / cuda / pallas / flax fwd_bwd at such widths (below);
 # - item3: add_rms_norm / add_layer_norm fwd_bwd at 264-384 columns, auto / cuda / flax,
 #   bf16 and f16 (issue 20 item 3);
 # - sw: the four ops' bf16 fwd_bwd sweep at 32-16384 columns (issue 20's H200 run, where

@@ -2999,7 +2999,7 @@ cudaError_t bwd_regs_dispatch(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   // 31.8 -> 27.9, 296 31.05 -> 26.55). On the H100 add_layer_norm's tail at 2 or 4 a lane
   // measured the same or slower (320 51.6 -> 54.4, 352 55.6 -> 57.9; thirty-fifth session),
   // so there it takes it only where tail_by_device. So does bfloat16 add_rms_norm at 1 a
-  // lane past 280 columns: on the H100 288 took 45.7-46.0 µs against 45.2-45.4 without
+  // lane past 280 columns: on the H100 288 took 45.8-46.0 µs against 45.1-45.4 without
   // (six passes), 264-280 the same, float16 264-280 0.7-1.0 µs faster with it (thirty-
   // seventh and thirty-eighth sessions). Knob JAX_OPS_NORM_BWD_TAIL.
   if constexpr (sizeof(T) == 2 && PACK == 8) {
