@@ -185,12 +185,13 @@ def _table_with_op(q: Query) -> dict | None:
     table = table_for(q.device_kind)
     if table is None or any(e["op"] == q.op for e in table["entries"]):
         return table
+    return next((o for o in _same_generation(table) if any(e["op"] == q.op for e in o["entries"])), table)
+
+
+def _same_generation(table: dict) -> list[dict]:
+    """The other measured tables of `table`'s compute capability (none where unknown)."""
     cc = _table_device(table).compute_capability
-    for other in _tables():
-        if (cc and _table_device(other).compute_capability == cc
-                and any(e["op"] == q.op for e in other["entries"])):
-            return other
-    return table
+    return [t for t in _tables() if t is not table and cc and _table_device(t).compute_capability == cc]
 
 
 @functools.cache
@@ -267,11 +268,8 @@ def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tu
     own = of_class(entries)
     if not entries or sized(own):
         return own or entries, table
-    cc = _table_device(table).compute_capability
     unsized = (own, table) if own else None
-    for other in _tables():
-        if other is table or not cc or _table_device(other).compute_capability != cc:
-            continue
+    for other in _same_generation(table):
         for stage in dict.fromkeys((q.table_stage, q.stage)):
             theirs = of_class([e for e in other["entries"] if e["op"] == q.op and e["stage"] == stage])
             if theirs:
