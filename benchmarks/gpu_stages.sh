@@ -26,17 +26,18 @@ norm_tests() {
   stage_done $name
 }
 # compute-sanitizer over benchmarks/sanitize_norm.py (ROWS rows; ops SAN_OPS, else OPS,
-# else ln,rms): memcheck and synccheck at COLS, racecheck (ops RACE_OPS, else the same)
-# at RACE_COLS (none if empty), to $OUT/NAME.txt (SAN_NAME, default sanitize) and the
+# else ln,rms): memcheck and synccheck (SAN_TOOLS) at COLS, racecheck (ops RACE_OPS, else the same)
+# at RACE_COLS (none if empty; timeouts SAN_TIMEOUT, default 150 s a tool, and RACE_TIMEOUT,
+# default 200), to $OUT/NAME.txt (SAN_NAME, default sanitize) and the
 # log: norm_sanitize ROWS COLS RACE_COLS
 norm_sanitize() {
   local rows=$1 cols=$2 race=$3 ops=${SAN_OPS:-${OPS:-ln,rms}} name=${SAN_NAME:-sanitize} tool
-  { for tool in memcheck synccheck; do
-      ROWS=$rows OPS=$ops timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
+  { for tool in ${SAN_TOOLS:-memcheck synccheck}; do
+      ROWS=$rows OPS=$ops timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 \
         python3 benchmarks/sanitize_norm.py $cols 2>&1; echo "$tool rc $?"
     done
     if [ "$race" ]; then
-      ROWS=$rows OPS=${RACE_OPS:-$ops} timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 \
+      ROWS=$rows OPS=${RACE_OPS:-$ops} timeout ${RACE_TIMEOUT:-200} compute-sanitizer --tool racecheck --error-exitcode 9 \
         python3 benchmarks/sanitize_norm.py $race 2>&1; echo "racecheck rc $?"
     fi; } > "$OUT/$name.txt"
   grep -E "rc [0-9]|ERROR SUMMARY|MISMATCH|worst" "$OUT/$name.txt" | tee -a "$LOG"

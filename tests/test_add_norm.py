@@ -172,6 +172,28 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
     check(op, x, r, scale, bias, dy, dh, out, grads, cotangents=cts)
 
 
+# Rows of whole 8-byte words, not of 16-byte ones: the cuda kernels' half-word packs
+# (test_layer_norm.HALF_WORD_CASES), each parameter variant and cotangent.
+HALF_WORD_CASES = [(cols, rows, dtype, i) for i, (rows, cols, dtype) in enumerate(
+    [(17, 4, "bfloat16"), (41, 36, "float16"), (301, 100, "bfloat16"), (97, 268, "float16"),
+     (61, 1004, "bfloat16"), (37, 4100, "float16"), (13, 12292, "bfloat16"), (17, 2, "float32"),
+     (41, 34, "float32"), (97, 266, "float32"), (37, 4098, "float32"), (13, 8194, "float32")])]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("cols,rows,dtype,i", HALF_WORD_CASES)
+def test_cuda_rows_of_half_words(op, cols, rows, dtype, i):
+    need("cuda")
+    sdt, bdt = support.param_dtypes(PARAM_VARIANTS[op], i, dtype)
+    cts = COTANGENTS[i % len(COTANGENTS)]
+    x, r, scale, bias, dy, dh = make_inputs(seed_of(f"half{op}{cols}{dtype}"), (rows, cols), dtype, sdt, bdt)
+    run = fwd_bwd_fn(op, "cuda", cts)
+    nan = jnp.full_like(x, jnp.nan)
+    jax.block_until_ready(run(nan, nan, scale, bias, nan, nan))
+    out, grads = run(x, r, scale, bias, dy, dh)
+    check(op, x, r, scale, bias, dy, dh, out, grads, cotangents=cts)
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape,dtype", [((1201, 8192), "bfloat16"), ((2501, 4096), "float16"),

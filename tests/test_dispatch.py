@@ -344,14 +344,16 @@ def test_table_of_same_generation_serves_an_op_this_gpu_was_not_measured_for(mon
     assert dispatch._from_table(q, impls) is None
 
 
-def test_table_keeps_rows_of_whole_16_byte_words_apart(monkeypatch):
-    # Rows that are not a whole number of 16-byte words run the hand kernels a value a
-    # load (H100 bf16 LayerNorm 268: cuda 39.4 against pallas 28.7 us fwd), so they are
-    # looked up among their own class; an H200 table without them borrows the H100's.
+def test_table_keeps_word_classes_apart(monkeypatch):
+    # Rows of whole 16-byte words, of 8-byte words (the norms' half-word packs) and of
+    # neither (a value a load: H100 bf16 LayerNorm 1001, cuda against xla 97.5 / 97.6 us
+    # fwd) are looked up among their own class; an H200 table without them borrows the
+    # H100's. Rows of 8-byte words without entries of theirs take those of single values.
     h100 = dict(_table("NVIDIA H100 80GB HBM3", [
         _entry("layer_norm", "fwd", "bfloat16", 49152, 256, xla=30.0, cuda=18.0, pallas=20.0),
         _entry("layer_norm", "fwd", "bfloat16", 49152, 512, xla=60.0, cuda=36.0, pallas=40.0),
         _entry("layer_norm", "fwd", "bfloat16", 49152, 268, xla=35.4, cuda=39.4, pallas=28.7),
+        _entry("layer_norm", "fwd", "bfloat16", 49152, 1004, xla=97.0, cuda=120.0, pallas=131.0),
         _entry("layer_norm", "fwd", "bfloat16", 49152, 1001, xla=97.6, cuda=97.5, pallas=132.5),
         _entry("layer_norm", "fwd", "float32", 49152, 268, xla=70.0, cuda=40.0, pallas=50.0),
     ]), _path="h100.json")
@@ -365,28 +367,33 @@ def test_table_keeps_rows_of_whole_16_byte_words_apart(monkeypatch):
     def pick(cols, kind="NVIDIA H100 80GB HBM3", dtype="bfloat16"):
         return dispatch._from_table(Query("layer_norm", "fwd", "cuda", (49152, cols), dtype, kind), impls)
 
-    assert dispatch.whole_words(264, "bfloat16") and not dispatch.whole_words(268, "bfloat16")
-    assert dispatch.whole_words(268, "float32") and not dispatch.whole_words(270, "float32")
-    # 264 and 272 (whole words) interpolate between 256 and 512, never through 268.
+    assert [dispatch.row_word(c, "bfloat16") for c in (264, 268, 270, 1001)] == [16, 8, 2, 2]
+    assert [dispatch.row_word(c, "float32") for c in (268, 270, 269)] == [16, 8, 4]
+    # 264 and 272 (16-byte words) interpolate between 256 and 512, never through 268.
     for cols in (264, 272):
         name, reason = pick(cols)
         assert name == "cuda" and "bfloat16[49152,256..512], interpolated" in reason
-    # 268 is measured; 260 / 300 (not whole words) are nearest 268, 500 interpolates
-    # between 268 and 1001, pallas (28.7 -> 132.5) against xla (35.4 -> 97.6).
+    # 268 is measured; 260 / 300 (8-byte words) are nearest 268, 500 interpolates between
+    # 268 and 1004 (not 1001, of single values): pallas (28.7 -> 131) against xla (35.4 -> 97).
     assert pick(268)[0] == "pallas" and "bfloat16[49152,268]:" in pick(268)[1]
     assert pick(260)[0] == "pallas" and pick(300)[0] == "pallas"
     name, reason = pick(500)
-    assert "bfloat16[49152,268..1001], interpolated" in reason
-    # float16 takes bfloat16's entries of its class; float32 268 is whole words (its own).
+    assert "bfloat16[49152,268..1004], interpolated" in reason
+    # 270 and 999 (neither) take 1001, the one entry of their class.
+    for cols in (270, 999):
+        name, reason = pick(cols)
+        assert name == "cuda" and "bfloat16[49152,1001]:" in reason
+    # float16 takes bfloat16's entries of its class; float32 268 is 16-byte words (its own).
     assert pick(268, dtype="float16")[0] == "pallas"
     assert pick(268, dtype="float32")[0] == "cuda"
     # The H200: its own entries for whole words; the H100's for the others, saying so.
     assert pick(264, "NVIDIA H200")[1].startswith("measured table h200.json")
     name, reason = pick(268, "NVIDIA H200")
-    assert name == "pallas" and "h100.json" in reason and "not of whole 16-byte words" in reason
-    # Of the class but of another value size (float32 270 is not whole words) in this
-    # GPU's table: bfloat16 268 still borrows the H100's bfloat16 entries; float32 270
-    # takes its own table's.
+    assert name == "pallas" and "h100.json" in reason and "rows of whole 8-byte words, not 16-byte ones" in reason
+    assert "rows not of whole 8-byte words" in pick(270, "NVIDIA H200")[1]
+    # Of the class but of another value size (float32 270: 8-byte words) in this GPU's
+    # table: bfloat16 268 still borrows the H100's bfloat16 entries; float32 270 takes its
+    # own table's.
     h200["entries"].append(_entry("layer_norm", "fwd", "float32", 49152, 270, xla=60.0, cuda=30.0, pallas=80.0))
     assert pick(268, "NVIDIA H200")[0] == "pallas"
     assert pick(270, "NVIDIA H200", dtype="float32")[1].startswith("measured table h200.json")
@@ -407,6 +414,12 @@ def test_table_keeps_rows_of_whole_16_byte_words_apart(monkeypatch):
     monkeypatch.setattr(dispatch, "_tables", lambda: (bare,))
     name, reason = pick(268, "NVIDIA H200")
     assert name == "cuda" and "bfloat16[49152,256..512], interpolated" in reason
+    # Rows of 8-byte words with no entry of theirs anywhere take those of single values
+    # (bfloat16 1001), before those of 16-byte words.
+    single = dict(_table("NVIDIA H100 80GB HBM3", [e for e in h100["entries"] if e["cols"] != 268 and e["cols"] != 1004
+                                                   and e["dtype"] == "bfloat16" and e["stage"] == "fwd"]), _path="s.json")
+    monkeypatch.setattr(dispatch, "_tables", lambda: (single,))
+    assert "bfloat16[49152,1001]:" in pick(268)[1]
 
 
 def test_shipped_tables_are_well_formed():

@@ -238,15 +238,19 @@ def check_against_reference(op, x, scale, bias, dy, y, grads, *, epsilon=None, t
 
 # --------------------------------------------------- process-wide launch state ---
 
-def check_cuda_rows(op, rows, cols, seed, dtype=jnp.bfloat16):
+def check_cuda_rows(op, rows, cols, seed, dtype=jnp.bfloat16, poison=False):
     """The cuda implementation's forward and both gradients of fresh rows (bf16 unless
-    dtype) against the float64 reference."""
+    dtype) against the float64 reference; with poison, after a run on NaN rows (buffers
+    handed out again hold NaN where unwritten)."""
     k = jax.random.split(jax.random.key(seed), 4)
     x = (jax.random.normal(k[0], (rows, cols)) * 2 + 1).astype(dtype)
     scale = jax.random.uniform(k[1], (cols,), minval=0.5, maxval=1.5)
     bias = jax.random.normal(k[2], (cols,)) if op == "layer_norm" else None
     dy = jax.random.normal(k[3], (rows, cols)).astype(dtype)
-    y, grads = fwd_bwd_fn(op, "cuda")(x, scale, bias, dy)
+    run = fwd_bwd_fn(op, "cuda")
+    if poison:
+        jax.block_until_ready(run(jnp.full_like(x, jnp.nan), scale, bias, jnp.full_like(dy, jnp.nan)))
+    y, grads = run(x, scale, bias, dy)
     check_against_reference(op, x, scale, bias, dy, y, grads)
 
 
@@ -259,6 +263,22 @@ def test_cuda_backward_long_rows_after_a_narrower_block():
     sequence. (JAX_OPS_NORM_BWD_CLUSTER_SMEM_CS=-1 restores those shapes.)"""
     for i, (op, cols) in enumerate((("layer_norm", 12288), ("layer_norm", 20480), ("rms_norm", 12288))):
         check_cuda_rows(op, 3, cols, seed=2200 + i)
+
+
+# Rows of a whole number of 8-byte words but not of 16-byte ones (16-bit columns 4k + 4 /
+# float32 2k + 2... of 4k + 2): the cuda kernels' half-word packs (8 bytes a load), from the
+# warp tier (4, 36) through the block tiers (1004, 4100) to the long rows (12292 / 8194 and
+# past), odd row counts.
+HALF_WORD_CASES = [(17, 4, "bfloat16"), (41, 36, "float16"), (301, 100, "bfloat16"), (97, 268, "float16"),
+                   (61, 1004, "bfloat16"), (37, 4100, "float16"), (13, 12292, "bfloat16"), (7, 20484, "float16"),
+                   (17, 2, "float32"), (41, 34, "float32"), (97, 266, "float32"), (61, 1002, "float32"),
+                   (37, 4098, "float32"), (13, 8194, "float32"), (7, 16386, "float32")]
+
+
+@pytest.mark.parametrize("rows,cols,dtype", HALF_WORD_CASES)
+def test_cuda_rows_of_half_words(rows, cols, dtype):
+    for i, op in enumerate(("layer_norm", "rms_norm")):
+        check_cuda_rows(op, rows, cols, seed=cols + 30 + i, dtype=jnp.dtype(dtype), poison=True)
 
 
 @pytest.mark.parametrize("cols", [4104, 4352, 4608])

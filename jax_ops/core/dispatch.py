@@ -13,10 +13,10 @@ static shapes, in this order:
    its width, gives each implementation's time (between two measured widths of that
    dtype, interpolated in log cols; an implementation with `tile_cols`, whose kernels
    pad a row, from the width of its own tile); the fastest one that supports the call
-   wins (within 0.5 %, a tie, cuda). Rows of a whole number of 16-byte words and rows
-   of others (the hand kernels' unvectorized loads) are looked up among their own
-   class's entries (whole_words), from a same-generation GPU's table where this GPU's
-   has none of that class. Stages:
+   wins (within 0.5 %, a tie, cuda). Rows are looked up among the entries of their word
+   class (row_word: rows of whole 16-byte words, of 8-byte ones, of neither; the hand
+   kernels' packs), from a same-generation GPU's table where this GPU's has none of
+   that class. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed alone (fwd_res) for cuda / pallas where the run did, else as
    step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
@@ -243,42 +243,62 @@ def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tup
     return (us, f"{best['dtype']}[{best['rows']},{lo['cols']}..{hi['cols']}], {how}") if us else None
 
 
-def whole_words(cols: int, dtype: str) -> bool:
-    """Whether a row of `cols` values of `dtype` is a whole number of 16-byte words
-    (the hand kernels' vectorized loads)."""
+def row_word(cols: int, dtype: str) -> int:
+    """Bytes of the widest load that tiles a row of `cols` values of `dtype`: 16 (the hand
+    kernels' vectorized packs), 8 (the norms' half-word packs; the softmax family's
+    kernels load such rows a value at a time) or one value's."""
     size = _itemsize(dtype) or 4
-    return 16 % size != 0 or cols % (16 // size) == 0
+    if 16 % size:
+        return 16
+    return next((w for w in (16, 8) if w >= size and cols * size % w == 0), size)
+
+
+def _word_classes(cols: int, dtype: str) -> list[int]:
+    """The classes (row_word) whose entries stand for a row, best first: its own; for
+    rows of 8-byte words, then those of single values (the kernels without half-word
+    packs, and the slower side for those with them)."""
+    word, size = row_word(cols, dtype), _itemsize(dtype) or 4
+    return [word, size] if word == 8 and size < 8 else [word]
+
+
+def describe_word(cols: int, dtype: str) -> str:
+    word = row_word(cols, dtype)
+    return {16: "rows of whole 16-byte words", 8: "rows of whole 8-byte words, not 16-byte ones"}.get(
+        word, "rows not of whole 8-byte words")
 
 
 def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tuple[list[dict], dict]:
-    """The entries (and their table) whose rows are whole 16-byte words where q's are
-    (whole_words), else those whose rows are not, with a time of a candidate. Of q's
-    value size from q's table, else from another table of the same compute capability
-    (q's stage, else the plain stage's); else of any value size, q's table's first;
-    with none of q's class anywhere, q's table's entries as they are."""
-    want, size = whole_words(q.cols, q.dtype), _itemsize(q.dtype)
-
-    def of_class(es):
-        return [e for e in es if whole_words(e["cols"], e["dtype"]) == want
-                and any(n in candidates for n in e["us"])]
+    """The entries (and their table) of q's word class (row_word), with a time of a
+    candidate; where none is anywhere, of the next class of _word_classes. Within a class:
+    of q's value size from q's table, else from another table of the same compute
+    capability (q's stage, else the plain stage's); else of any value size, q's table's
+    first. With none of q's classes anywhere, q's table's entries as they are."""
+    size = _itemsize(q.dtype)
 
     def sized(es):
         return any(_itemsize(e["dtype"]) == size for e in es)
 
-    own = of_class(entries)
-    if not entries or sized(own):
-        return own or entries, table
-    unsized = (own, table) if own else None
-    for other in _same_generation(table):
-        for stage in dict.fromkeys((q.table_stage, q.stage)):
-            theirs = of_class([e for e in other["entries"] if e["op"] == q.op and e["stage"] == stage])
-            if theirs:
-                break
-        if sized(theirs):
-            return theirs, other
-        if theirs and unsized is None:
-            unsized = (theirs, other)
-    return unsized or (entries, table)
+    for word in _word_classes(q.cols, q.dtype):
+        def of_class(es):
+            return [e for e in es if row_word(e["cols"], e["dtype"]) == word
+                    and any(n in candidates for n in e["us"])]
+
+        own = of_class(entries)
+        if not entries or sized(own):
+            return own or entries, table
+        unsized = (own, table) if own else None
+        for other in _same_generation(table):
+            for stage in dict.fromkeys((q.table_stage, q.stage)):
+                theirs = of_class([e for e in other["entries"] if e["op"] == q.op and e["stage"] == stage])
+                if theirs:
+                    break
+            if sized(theirs):
+                return theirs, other
+            if theirs and unsized is None:
+                unsized = (theirs, other)
+        if unsized:
+            return unsized
+    return entries, table
 
 
 def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
@@ -289,10 +309,11 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     if not entries:  # e.g. no training-forward times: the plain forward's
         entries = [e for e in table["entries"] if e["op"] == q.op and e["stage"] == q.stage]
     entries = [e for e in entries if any(n in candidates for n in e["us"])]
-    # Rows of a whole number of 16-byte words and rows of others are timed apart: the
-    # hand kernels load the latter a value at a time (H100, bf16, 4100 columns: LayerNorm
-    # fwd+bwd 2.4x slower than Pallas; docs/perf-notes.md, thirty-eighth session), so
-    # neither class's times stand for the other's. A table without entries of q's class
+    # Rows of whole 16-byte words, of 8-byte words and of neither are timed apart: the
+    # hand kernels load them a 16-byte word, half a word (norms) or a value at a time
+    # (H100, bf16, 4100 columns a value at a time: LayerNorm fwd+bwd 2.4x slower than
+    # Pallas; docs/perf-notes.md, thirty-eighth session), so no class's times stand for
+    # another's. A table without entries of q's class
     # and value size takes them from one of the same compute capability (H200 <- H100).
     entries, table = _of_word_class(q, table, entries, candidates)
     # Another dtype's entries stand in for one of the same width in bytes before any
@@ -320,7 +341,7 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
         source = table_match(q.device_kind)[1]
     else:
         lacks = q.op if not any(e["op"] == q.op for e in own["entries"]) else (
-            f"{q.op} at rows {'of' if whole_words(q.cols, q.dtype) else 'not of'} whole 16-byte words")
+            f"{q.op} at {describe_word(q.cols, q.dtype)}")
         source = f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {lacks})"
     return name, f"measured table {table['_path']} at {where}: {times} [{source}]"
 
