@@ -52,18 +52,10 @@ fi
 # between them (52, 500, 2052), LayerNorm and add_rms_norm, UNSWEEP_DT (default bf16; the
 # lookup's check).
 if starts unsweep; then
-  SWEEP_IMPLS=auto,cuda,pallas,flax SWEEP_OPS="layer_norm add_rms_norm" SWEEP_MODES=fwd_bwd \
-    SWEEP_COLS=${UNSWEEP_COLS:-36,52,100,268,500,1001,2052,4100} SWEEP_65536=0 sweep_dtype ${UNSWEEP_DT:-bf16}
+  fwd_bwd_sweeps auto,cuda,pallas,flax "layer_norm add_rms_norm" \
+    "${UNSWEEP_DT:-bf16}:${UNSWEEP_COLS:-36,52,100,268,500,1001,2052,4100}"
 fi
-if starts item3; then
-  for dt in bf16 f16; do
-    SWEEP_OPS="add_rms_norm add_layer_norm" SWEEP_MODES=fwd_bwd SWEEP_COLS=264,288,320,352,384 SWEEP_65536=0 \
-      sweep_dtype $dt
-  done
-fi
-if starts sw; then
-  SWEEP_OPS="${OPS4//,/ }" SWEEP_MODES=fwd_bwd SWEEP_COLS=32,64,128,264,320,384,1024,4096,16384 SWEEP_65536=0 \
-    sweep_dtype bf16
-fi
+starts item3 && fwd_bwd_sweeps auto,cuda,flax "add_rms_norm add_layer_norm" "bf16:264,288,320,352,384 f16:264,288,320,352,384"
+starts sw && fwd_bwd_sweeps auto,cuda,flax "${OPS4//,/ }" bf16:32,64,128,264,320,384,1024,4096,16384
 finish_call "log|env|auto_vs_best|probe|tests|tailab|tailcut"
 exit 0

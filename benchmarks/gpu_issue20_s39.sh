@@ -9,10 +9,16 @@
 #   half-word packs and beside them, racecheck (LayerNorm) at two of them;
 # - sync: synccheck alone at the sanitize stage's widths;
 # - unsweep: auto / cuda / pallas / flax fwd_bwd, LayerNorm and add_rms_norm, at
-#   UNSWEEP_SPECS ("DT:COLS ...").
-# Usage: bash benchmarks/gpu_issue20_s39.sh stages
+#   UNSWEEP_SPECS ("DT:COLS ...");
+# - sw: the four norms' bf16 fwd_bwd sweep at 32-16384 columns (for an H200).
+# Usage: bash benchmarks/gpu_issue20_s39.sh stages, or "h200:STAGES|STAGES": the first
+# where the GPU is an H200, else the second.
 set -uo pipefail
 STAGES=${1:-tests}
+if [[ "$STAGES" == h200:* ]]; then
+  STAGES=${STAGES#h200:}
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then STAGES=${STAGES%%|*}; else STAGES=${STAGES#*|}; fi
+fi
 source benchmarks/gpu_extension.sh
 source benchmarks/gpu_stages.sh
 python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
@@ -30,10 +36,9 @@ if starts sync; then
 fi
 # UNSWEEP_SPECS: "DT:COLS ..." (default bf16 at its measured widths and between them).
 if starts unsweep; then
-  for spec in ${UNSWEEP_SPECS:-bf16:36,52,100,268,500,1004,2052,4100}; do
-    SWEEP_IMPLS=auto,cuda,pallas,flax SWEEP_OPS="layer_norm add_rms_norm" SWEEP_MODES=fwd_bwd \
-      SWEEP_COLS=${spec#*:} SWEEP_65536=0 sweep_dtype ${spec%%:*}
-  done
+  fwd_bwd_sweeps auto,cuda,pallas,flax "layer_norm add_rms_norm" "${UNSWEEP_SPECS:-bf16:36,52,100,268,500,1004,2052,4100}"
 fi
+# sw: the four norms' bf16 fwd_bwd sweep, auto / cuda / flax (issue 20's H200 run).
+starts sw && fwd_bwd_sweeps auto,cuda,flax "${OPS4//,/ }" bf16:32,64,128,264,320,384,1024,4096,16384
 finish_call "log|env|auto_vs_best|tests|sanitize|sync"
 exit 0

@@ -109,6 +109,14 @@ sweep_dtype() {
       sweep_stage sweep_${op}_${dt}_65536 --dtype $dt --rows 8192 --op $op --mode ${SWEEP_MODES:-fwd,bwd,fwd_bwd} --cols 65536
   done
 }
+# sweep_dtype's fwd_bwd sweeps, no 65536 columns, implementations IMPLS, ops OPS (space
+# separated), for each "DT:COLS" of SPECS (space separated): fwd_bwd_sweeps IMPLS OPS SPECS
+fwd_bwd_sweeps() {
+  local spec
+  for spec in $3; do
+    SWEEP_IMPLS=$1 SWEEP_OPS="$2" SWEEP_MODES=fwd_bwd SWEEP_COLS=${spec#*:} SWEEP_65536=0 sweep_dtype ${spec%%:*}
+  done
+}
 # Each cuda kernel of a bf16 training step of the four ops next to a copy of its own bytes
 # (benchmarks/norm_bounds.py kernels: the most a three-kernel step can reach) at COLS, to
 # $OUT/bounds.txt and the log: bounds_stage COLS

@@ -129,6 +129,22 @@ def test_table_training_forward_timed_alone_beats_the_difference(tmp_path):
     assert stats == {128: {"cuda": 10.2, "pallas": 10.6, "xla": 26.0}, 64: {"cuda": 8.0}}
 
 
+def test_table_keeps_entries_timed_at_another_load_width(tmp_path):
+    """--table: an entry with a "word" (timed at another load width than the tree's
+    kernels take there) stays beside this run's entry of the same shape, which replaces
+    only the one without."""
+    from jax_ops.bench.report import Record
+    from jax_ops.bench.tables import write_table
+    path = tmp_path / "t.json"
+    key = dict(op="layer_norm", stage="fwd", dtype="bfloat16", rows=64, cols=268)
+    path.write_text(json.dumps({"device_kind": "cpu", "entries": [
+        {**key, "word": 2, "us": {"cuda": 39.4}}, {**key, "us": {"cuda": 30.0}}]}))
+    meta = dict(device_kind="cpu", command="test", date="d", git_commit="c", jax_version="j", timer="wall")
+    write_table(path, meta, [Record("layer_norm", "fwd", "bf16", 64, 268, "cuda", "wall", 1, 1, time_us=21.4)])
+    entries = json.loads(path.read_text())["entries"]
+    assert sorted((e.get("word", 0), e["us"]["cuda"]) for e in entries if e["stage"] == "fwd") == [(0, 21.4), (2, 39.4)]
+
+
 def test_rel_err_is_a_relative_norm_not_a_max():
     """One element of many flipped at a ReLU kink must not read as a 100 % error."""
     ref = jnp.ones((1000,), jnp.float32)

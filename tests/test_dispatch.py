@@ -367,13 +367,15 @@ def test_table_keeps_word_classes_apart(monkeypatch):
     def pick(cols, kind="NVIDIA H100 80GB HBM3", dtype="bfloat16"):
         return dispatch._from_table(Query("layer_norm", "fwd", "cuda", (49152, cols), dtype, kind), impls)
 
-    assert [dispatch.row_word(c, "bfloat16") for c in (264, 268, 270, 1001)] == [16, 8, 2, 2]
-    assert [dispatch.row_word(c, "float32") for c in (268, 270, 269)] == [16, 8, 4]
+    half = (16, 8)  # the norms' cuda load_words
+    assert [dispatch.row_word(c, "bfloat16", half) for c in (264, 268, 270, 1001)] == [16, 8, 2, 2]
+    assert [dispatch.row_word(c, "float32", half) for c in (268, 270, 269)] == [16, 8, 4]
+    assert [dispatch.row_word(c, "bfloat16") for c in (264, 268)] == [16, 2]  # no half words
     # 264 and 272 (16-byte words) interpolate between 256 and 512, never through 268.
     for cols in (264, 272):
         name, reason = pick(cols)
         assert name == "cuda" and "bfloat16[49152,256..512], interpolated" in reason
-    # 268 is measured; 260 / 300 (8-byte words) are nearest 268, 500 interpolates between
+    # 268 is measured; 260 (8-byte words) is nearest 268; 300 and 500 interpolate between
     # 268 and 1004 (not 1001, of single values): pallas (28.7 -> 131) against xla (35.4 -> 97).
     assert pick(268)[0] == "pallas" and "bfloat16[49152,268]:" in pick(268)[1]
     assert pick(260)[0] == "pallas" and pick(300)[0] == "pallas"
@@ -390,7 +392,7 @@ def test_table_keeps_word_classes_apart(monkeypatch):
     assert pick(264, "NVIDIA H200")[1].startswith("measured table h200.json")
     name, reason = pick(268, "NVIDIA H200")
     assert name == "pallas" and "h100.json" in reason and "rows of whole 8-byte words, not 16-byte ones" in reason
-    assert "rows not of whole 8-byte words" in pick(270, "NVIDIA H200")[1]
+    assert "rows loaded a value at a time" in pick(270, "NVIDIA H200")[1]
     # Of the class but of another value size (float32 270: 8-byte words) in this GPU's
     # table: bfloat16 268 still borrows the H100's bfloat16 entries; float32 270 takes its
     # own table's.
@@ -420,6 +422,27 @@ def test_table_keeps_word_classes_apart(monkeypatch):
                                                    and e["dtype"] == "bfloat16" and e["stage"] == "fwd"]), _path="s.json")
     monkeypatch.setattr(dispatch, "_tables", lambda: (single,))
     assert "bfloat16[49152,1001]:" in pick(268)[1]
+    # An entry's "word" is the load width it was timed at: bfloat16 268 timed a value a
+    # load is of the single values' class, beside 1001 (so 500 interpolates between them).
+    single["entries"].append(_entry("layer_norm", "fwd", "bfloat16", 49152, 268, xla=35.4, cuda=39.4, pallas=28.7))
+    single["entries"][-1]["word"] = 2
+    assert "bfloat16[49152,268..1001], interpolated" in pick(500)[1] and pick(270)[0] == "pallas"
+    # One width of q's value size in its class stands for no other: float32 entries of the
+    # class (nearest by _distance) serve bfloat16 33, 1001 its neighbours.
+    single["entries"] = [e for e in single["entries"] if e["cols"] != 268] + [
+        _entry("layer_norm", "fwd", "float32", 49152, 35, xla=9.0, cuda=8.0, pallas=6.0),
+        _entry("layer_norm", "fwd", "float32", 49152, 4099, xla=600.0, cuda=700.0, pallas=650.0)]
+    assert pick(33)[0] == "pallas" and "float32[49152,35]" in pick(33)[1]
+    assert "bfloat16[49152,1001]" in pick(999)[1]
+    # Ops whose kernels have no half-word packs (no load_words of 8) keep rows of 8-byte
+    # words with those of single values: softmax bfloat16 268 takes 1001's entry.
+    sm = {i.name: i for i in registry.all_of("softmax")}
+    smt = dict(_table("NVIDIA H100 80GB HBM3", [
+        _entry("softmax", "fwd", "bfloat16", 49152, 256, xla=30.0, cuda=18.0, pallas=20.0),
+        _entry("softmax", "fwd", "bfloat16", 49152, 1001, xla=90.0, cuda=200.0, pallas=95.0)]), _path="sm.json")
+    monkeypatch.setattr(dispatch, "_tables", lambda: (smt,))
+    q = Query("softmax", "fwd", "cuda", (49152, 268), "bfloat16", "NVIDIA H100 80GB HBM3")
+    assert dispatch._from_table(q, sm)[0] == "xla"
 
 
 def test_shipped_tables_are_well_formed():
@@ -437,6 +460,7 @@ def test_shipped_tables_are_well_formed():
         for e in t["entries"]:
             assert e["stage"] in ("fwd", "fwd_stats", "fwd_mask", "bwd") and e["op"] in registry.ops()
             assert set(e["us"]) <= set(jax_ops.IMPLEMENTATIONS) and min(e["us"].values()) > 0
+            assert e.get("word", 2) in (2, 4, 8, 16), e
 
 
 # --------------------------------------------------------------- autotune ---

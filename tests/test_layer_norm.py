@@ -265,10 +265,10 @@ def test_cuda_backward_long_rows_after_a_narrower_block():
         check_cuda_rows(op, 3, cols, seed=2200 + i)
 
 
-# Rows of a whole number of 8-byte words but not of 16-byte ones (16-bit columns 4k + 4 /
-# float32 2k + 2... of 4k + 2): the cuda kernels' half-word packs (8 bytes a load), from the
-# warp tier (4, 36) through the block tiers (1004, 4100) to the long rows (12292 / 8194 and
-# past), odd row counts.
+# Rows of a whole number of 8-byte words but not of 16-byte ones (16-bit columns 8k + 4,
+# float32 4k + 2): the cuda kernels' half-word packs (8 bytes a load), from the warp tiers
+# (to 1004 16-bit columns, 1002 float32) through the block tiers (4100 / 4098) to the long
+# rows (12292 / 8194 and past), odd row counts.
 HALF_WORD_CASES = [(17, 4, "bfloat16"), (41, 36, "float16"), (301, 100, "bfloat16"), (97, 268, "float16"),
                    (61, 1004, "bfloat16"), (37, 4100, "float16"), (13, 12292, "bfloat16"), (7, 20484, "float16"),
                    (17, 2, "float32"), (41, 34, "float32"), (97, 266, "float32"), (61, 1002, "float32"),

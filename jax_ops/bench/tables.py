@@ -80,8 +80,13 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
         if bwd is None or us <= bwd:
             continue
         new.setdefault(key, {})[impl] = round(us - bwd, 3)
-    entries = {(e["op"], e["stage"], e["dtype"], e["rows"], e["cols"]): e["us"]
+    # An entry's "word" (bytes a load, where set) marks times measured at another load
+    # width than the tree's kernels take at its width (e.g. before half-word packs):
+    # kept beside this run's, which replace only entries without one (core/dispatch.py).
+    entries = {(e["op"], e["stage"], e["dtype"], e["rows"], e["cols"], e.get("word", 0)): e["us"]
                for e in table["entries"]}
+    new = {(*k, 0): us for k, us in new.items()}
+    stale = {(*k, 0) for k in stale}
     for key in stale:
         if "xla" in entries.get(key, {}):
             entries[key] = {k: v for k, v in entries[key].items() if k != "xla"}
@@ -97,7 +102,8 @@ def write_table(path: Path, meta: dict, records: list[Record]) -> Path:
         jax_version=meta["jax_version"], timer=meta["timer"],
         note="median kernel time per call (us) of each implementation; written by "
              "jax_ops.bench --table, read by jax_ops/core/dispatch.py",
-        entries=[{"op": k[0], "stage": k[1], "dtype": k[2], "rows": k[3], "cols": k[4], "us": v}
+        entries=[{"op": k[0], "stage": k[1], "dtype": k[2], "rows": k[3], "cols": k[4],
+                  **({"word": k[5]} if k[5] else {}), "us": v}
                  for k, v in sorted(entries.items())])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")

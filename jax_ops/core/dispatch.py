@@ -14,9 +14,11 @@ static shapes, in this order:
    dtype, interpolated in log cols; an implementation with `tile_cols`, whose kernels
    pad a row, from the width of its own tile); the fastest one that supports the call
    wins (within 0.5 %, a tie, cuda). Rows are looked up among the entries of their word
-   class (row_word: rows of whole 16-byte words, of 8-byte ones, of neither; the hand
-   kernels' packs), from a same-generation GPU's table where this GPU's has none of
-   that class. Stages:
+   class (row_word by the implementations' load_words: rows of whole 16-byte words, of
+   8-byte ones where the kernels have half-word packs, else loaded a value at a time;
+   an entry's "word" where it was timed at another load width), from a same-generation
+   GPU's table where this GPU's has none of that class; rows of 8-byte words without
+   any take those of single values. Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed alone (fwd_res) for cuda / pallas where the run did, else as
    step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
@@ -243,44 +245,56 @@ def _times_between(q: Query, best: dict, entries: list[dict], candidates) -> tup
     return (us, f"{best['dtype']}[{best['rows']},{lo['cols']}..{hi['cols']}], {how}") if us else None
 
 
-def row_word(cols: int, dtype: str) -> int:
-    """Bytes of the widest load that tiles a row of `cols` values of `dtype`: 16 (the hand
-    kernels' vectorized packs), 8 (the norms' half-word packs; the softmax family's
-    kernels load such rows a value at a time) or one value's."""
+def row_word(cols: int, dtype: str, words: tuple[int, ...] = (16,)) -> int:
+    """Bytes a hand-kernel load takes of a row of `cols` values of `dtype`: the widest of
+    `words` (an implementation's load_words) that tiles the row, else one value's. A dtype
+    whose size does not divide 16 bytes: 16 (no class of its own)."""
     size = _itemsize(dtype) or 4
     if 16 % size:
         return 16
-    return next((w for w in (16, 8) if w >= size and cols * size % w == 0), size)
+    return next((w for w in words if w > size and cols * size % w == 0), size)
 
 
-def _word_classes(cols: int, dtype: str) -> list[int]:
-    """The classes (row_word) whose entries stand for a row, best first: its own; for
-    rows of 8-byte words, then those of single values (the kernels without half-word
-    packs, and the slower side for those with them)."""
-    word, size = row_word(cols, dtype), _itemsize(dtype) or 4
-    return [word, size] if word == 8 and size < 8 else [word]
+def _word_class(cols: int, dtype: str, words: tuple[int, ...], word: int | None = None) -> int:
+    """row_word (or the `word` given), with rows loaded a value at a time one class (0)
+    whatever the value size."""
+    word = word or row_word(cols, dtype, words)
+    return 0 if word == (_itemsize(dtype) or 4) else word
 
 
-def describe_word(cols: int, dtype: str) -> str:
-    word = row_word(cols, dtype)
+def _entry_class(e: dict, words: tuple[int, ...]) -> int:
+    """An entry's word class: of its "word" where the table records the load width it was
+    measured at (another than the tree's kernels take there: e.g. bfloat16 rows of 8-byte
+    words timed before the half-word packs, at one value a load), else of its width."""
+    return _word_class(e["cols"], e["dtype"], words, e.get("word"))
+
+
+def describe_word(cols: int, dtype: str, words: tuple[int, ...] = (16,)) -> str:
+    """The word class of a row, in words (the lookup's reason strings)."""
     return {16: "rows of whole 16-byte words", 8: "rows of whole 8-byte words, not 16-byte ones"}.get(
-        word, "rows not of whole 8-byte words")
+        _word_class(cols, dtype, words), "rows loaded a value at a time")
+
+
+def _load_words(candidates) -> tuple[int, ...]:
+    return next((c.load_words for c in candidates.values() if c.load_words), (16,))
 
 
 def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tuple[list[dict], dict]:
-    """The entries (and their table) of q's word class (row_word), with a time of a
-    candidate; where none is anywhere, of the next class of _word_classes. Within a class:
-    of q's value size from q's table, else from another table of the same compute
-    capability (q's stage, else the plain stage's); else of any value size, q's table's
-    first. With none of q's classes anywhere, q's table's entries as they are."""
-    size = _itemsize(q.dtype)
+    """The entries (and their table) of q's word class (_word_class, by the candidates'
+    load_words), with a time of a candidate; where a class has none anywhere, for rows of
+    8-byte words those of single values (the slower side). Within a class: from q's table
+    where it has entries of q's value size, else from another table of the same compute
+    capability that has (q's stage, else the plain stage's); else q's table's of any
+    size, then another's. With none of q's classes anywhere, q's table's entries."""
+    size, words = _itemsize(q.dtype), _load_words(candidates)
 
     def sized(es):
         return any(_itemsize(e["dtype"]) == size for e in es)
 
-    for word in _word_classes(q.cols, q.dtype):
+    want = _word_class(q.cols, q.dtype, words)
+    for word in [want, 0] if want == 8 else [want]:
         def of_class(es):
-            return [e for e in es if row_word(e["cols"], e["dtype"]) == word
+            return [e for e in es if _entry_class(e, words) == word
                     and any(n in candidates for n in e["us"])]
 
         own = of_class(entries)
@@ -299,6 +313,15 @@ def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tu
         if unsized:
             return unsized
     return entries, table
+
+
+def _of_value_size(q: Query, entries: list[dict]) -> list[dict]:
+    """Entries of q's value size where they span two widths or more, else all: one width
+    can be neither interpolated from nor stand for another tier's (H100, bf16 rows loaded
+    a value at a time, measured at 1001 columns only: cuda ties XLA there, and takes 3.0x
+    its forward time at 4100), while _distance still prefers q's dtype at a width."""
+    same = [e for e in entries if _itemsize(e["dtype"]) == _itemsize(q.dtype)]
+    return same if len({e["cols"] for e in same}) > 1 else entries
 
 
 def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, str] | None:
@@ -320,8 +343,9 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
     # other: which kernel tier serves a row depends on its bytes (H100, float32 LayerNorm
     # at 512 columns took bfloat16 512's choice, 0.97x of cuda's fwd_bwd). With none of
     # that width, any dtype's: still nearer the best than the cuda heuristic (H100,
-    # float32 add+norms, 1 against 12 of 66 points below 0.98; perf-notes).
-    entries = [e for e in entries if _itemsize(e["dtype"]) == _itemsize(q.dtype)] or entries
+    # float32 add+norms, 1 against 12 of 66 points below 0.98; perf-notes); so too with
+    # fewer than two widths of it (_of_value_size).
+    entries = _of_value_size(q, entries)
     if not entries:
         return None
     best = min(entries, key=lambda e: _distance(q, e))
@@ -341,7 +365,7 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
         source = table_match(q.device_kind)[1]
     else:
         lacks = q.op if not any(e["op"] == q.op for e in own["entries"]) else (
-            f"{q.op} at {describe_word(q.cols, q.dtype)}")
+            f"{q.op} at {describe_word(q.cols, q.dtype, _load_words(candidates))}")
         source = f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {lacks})"
     return name, f"measured table {table['_path']} at {where}: {times} [{source}]"
 

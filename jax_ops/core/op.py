@@ -412,6 +412,7 @@ class Impl:
     automatic: Callable | None = None
     description: str = ""
     tile_cols: Callable | None = None
+    load_words: tuple[int, ...] | None = None
 
 
 # -------------------------------------------------------------------- ops ---
@@ -467,7 +468,8 @@ class Op:
             for name, impl in impls.items():
                 registry.add(registry.Implementation(
                     op, name, impl.stages, impl.supports, configs=impl.configs,
-                    automatic=impl.automatic, description=impl.description, tile_cols=impl.tile_cols))
+                    automatic=impl.automatic, description=impl.description, tile_cols=impl.tile_cols,
+                    load_words=impl.load_words))
             if user_adapter is not None:
                 registry.define_user_adapter(op, user_adapter)
         OPS[self.fwd.name] = self

@@ -618,6 +618,8 @@ NORM = Op(
                       "bwd": ffi("jax_ops_norm_bwd", lambda p: {"rms": bool(p["rms"])},
                                  scratch=_workspace), **_STAGE_KERNELS},
                      supports=ffi_supports("jax_ops_norm_fwd"),
+                     # launch_fwd / launch_bwd: 16-byte packs, else half words, else values
+                     load_words=(16, 8),
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
                        supports=pallas_supports(lambda q: pallas_norm.supports(q.cols)),

@@ -661,6 +661,7 @@ SOFTMAX = Op(
     impls={
         "cuda": Impl({"fwd": _cuda_fwd, "bwd": _cuda_bwd, **_STAGE_KERNELS},
                      supports=ffi_supports("jax_ops_softmax_fwd"), automatic=_last_axis_only,
+                     load_words=(16,),  # 16-byte packs, else a value at a time
                      description="hand CUDA kernels through XLA FFI (host C++ on CPU)"),
         "pallas": Impl({"fwd": _pallas_fwd, "bwd": _pallas_bwd},
                        supports=pallas_supports(lambda q: pallas_softmax.supports(q.cols)),
