@@ -143,6 +143,7 @@ def test_table_keeps_entries_timed_at_another_load_width(tmp_path):
     write_table(path, meta, [Record("layer_norm", "fwd", "bf16", 64, 268, "cuda", "wall", 1, 1, time_us=21.4)])
     entries = json.loads(path.read_text())["entries"]
     assert sorted((e.get("word", 0), e["us"]["cuda"]) for e in entries if e["stage"] == "fwd") == [(0, 21.4), (2, 39.4)]
+    assert sum("word" in e for e in entries) == 1  # no "word" written where none was
 
 
 def test_rel_err_is_a_relative_norm_not_a_max():

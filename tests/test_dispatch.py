@@ -434,15 +434,26 @@ def test_table_keeps_word_classes_apart(monkeypatch):
         _entry("layer_norm", "fwd", "float32", 49152, 4099, xla=600.0, cuda=700.0, pallas=650.0)]
     assert pick(33)[0] == "pallas" and "float32[49152,35]" in pick(33)[1]
     assert "bfloat16[49152,1001]" in pick(999)[1]
-    # Ops whose kernels have no half-word packs (no load_words of 8) keep rows of 8-byte
-    # words with those of single values: softmax bfloat16 268 takes 1001's entry.
+    # Ops whose kernels have no half-word packs (load_words 16 only) keep rows of 8-byte
+    # words with those of single values: softmax bfloat16 4099 interpolates between 1001
+    # and 4100 (as (16, 8) would class 4100 apart, leaving 1001's cuda).
     sm = {i.name: i for i in registry.all_of("softmax")}
     smt = dict(_table("NVIDIA H100 80GB HBM3", [
         _entry("softmax", "fwd", "bfloat16", 49152, 256, xla=30.0, cuda=18.0, pallas=20.0),
-        _entry("softmax", "fwd", "bfloat16", 49152, 1001, xla=90.0, cuda=200.0, pallas=95.0)]), _path="sm.json")
+        _entry("softmax", "fwd", "bfloat16", 49152, 1001, xla=108.0, cuda=100.0, pallas=132.0),
+        _entry("softmax", "fwd", "bfloat16", 49152, 4100, xla=291.0, cuda=678.0, pallas=325.0)]), _path="sm.json")
     monkeypatch.setattr(dispatch, "_tables", lambda: (smt,))
-    q = Query("softmax", "fwd", "cuda", (49152, 268), "bfloat16", "NVIDIA H100 80GB HBM3")
-    assert dispatch._from_table(q, sm)[0] == "xla"
+    name, reason = dispatch._from_table(Query("softmax", "fwd", "cuda", (49152, 4099), "bfloat16",
+                                              "NVIDIA H100 80GB HBM3"), sm)
+    assert name == "xla" and "bfloat16[49152,1001..4100], interpolated" in reason
+    # The classes are the op's cuda kernels', whatever the call may take: with pallas and
+    # xla only, bfloat16 268 still skips the single-value entry of 268 (word 2).
+    only2 = {n: impls[n] for n in ("pallas", "xla")}
+    h100["entries"].insert(0, dict(_entry("layer_norm", "fwd", "bfloat16", 49152, 268, xla=5.0, pallas=50.0), word=2))
+    monkeypatch.setattr(dispatch, "_tables", lambda: (h100,))
+    name, reason = dispatch._from_table(
+        Query("layer_norm", "fwd", "cuda", (49152, 268), "bfloat16", "NVIDIA H100 80GB HBM3"), only2)
+    assert name == "pallas" and "bfloat16[49152,268]:" in reason
 
 
 def test_shipped_tables_are_well_formed():

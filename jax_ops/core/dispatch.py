@@ -18,7 +18,8 @@ static shapes, in this order:
    8-byte ones where the kernels have half-word packs, else loaded a value at a time;
    an entry's "word" where it was timed at another load width), from a same-generation
    GPU's table where this GPU's has none of that class; rows of 8-byte words without
-   any take those of single values. Stages:
+   any take those of single values; fewer than two widths of the call's value size in
+   its class give way to the class's other sizes (_of_value_size). Stages:
    "fwd" (inference forward), "fwd_stats" (training forward, which also writes the
    statistics; timed alone (fwd_res) for cuda / pallas where the run did, else as
    step - bwd, or fwd_bwd - bwd in older runs), "fwd_mask"
@@ -252,7 +253,7 @@ def row_word(cols: int, dtype: str, words: tuple[int, ...] = (16,)) -> int:
     size = _itemsize(dtype) or 4
     if 16 % size:
         return 16
-    return next((w for w in words if w > size and cols * size % w == 0), size)
+    return next((w for w in sorted(words, reverse=True) if w > size and cols * size % w == 0), size)
 
 
 def _word_class(cols: int, dtype: str, words: tuple[int, ...], word: int | None = None) -> int:
@@ -275,18 +276,21 @@ def describe_word(cols: int, dtype: str, words: tuple[int, ...] = (16,)) -> str:
         _word_class(cols, dtype, words), "rows loaded a value at a time")
 
 
-def _load_words(candidates) -> tuple[int, ...]:
-    return next((c.load_words for c in candidates.values() if c.load_words), (16,))
+def _load_words(op: str) -> tuple[int, ...]:
+    """The op's hand kernels' load widths (its cuda implementation's load_words; the
+    table's classes are of their times, whichever implementations a call may take)."""
+    cuda = next((i for i in registry.all_of(op) if i.name == "cuda"), None)
+    return (cuda.load_words if cuda is not None else None) or (16,)
 
 
 def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tuple[list[dict], dict]:
-    """The entries (and their table) of q's word class (_word_class, by the candidates'
-    load_words), with a time of a candidate; where a class has none anywhere, for rows of
+    """The entries (and their table) of q's word class (_word_class, by the op's
+    _load_words), with a time of a candidate; where a class has none anywhere, for rows of
     8-byte words those of single values (the slower side). Within a class: from q's table
     where it has entries of q's value size, else from another table of the same compute
     capability that has (q's stage, else the plain stage's); else q's table's of any
     size, then another's. With none of q's classes anywhere, q's table's entries."""
-    size, words = _itemsize(q.dtype), _load_words(candidates)
+    size, words = _itemsize(q.dtype), _load_words(q.op)
 
     def sized(es):
         return any(_itemsize(e["dtype"]) == size for e in es)
@@ -317,9 +321,10 @@ def _of_word_class(q: Query, table: dict, entries: list[dict], candidates) -> tu
 
 def _of_value_size(q: Query, entries: list[dict]) -> list[dict]:
     """Entries of q's value size where they span two widths or more, else all: one width
-    can be neither interpolated from nor stand for another tier's (H100, bf16 rows loaded
-    a value at a time, measured at 1001 columns only: cuda ties XLA there, and takes 3.0x
-    its forward time at 4100), while _distance still prefers q's dtype at a width."""
+    can be neither interpolated from nor stand for another tier's (860722d's H100 table
+    had bf16 rows loaded a value at a time at 1001 columns only: cuda ties XLA there, and
+    takes 3.0x its forward time at 4100), while _distance still prefers q's dtype at a
+    width."""
     same = [e for e in entries if _itemsize(e["dtype"]) == _itemsize(q.dtype)]
     return same if len({e["cols"] for e in same}) > 1 else entries
 
@@ -365,7 +370,7 @@ def _from_table(q: Query, candidates: dict[str, Implementation]) -> tuple[str, s
         source = table_match(q.device_kind)[1]
     else:
         lacks = q.op if not any(e["op"] == q.op for e in own["entries"]) else (
-            f"{q.op} at {describe_word(q.cols, q.dtype, _load_words(candidates))}")
+            f"{q.op} at {describe_word(q.cols, q.dtype, _load_words(q.op))}")
         source = f"{table['_path']} (measured on {table['device_kind']}; this GPU's table lacks {lacks})"
     return name, f"measured table {table['_path']} at {where}: {times} [{source}]"
 

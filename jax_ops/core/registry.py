@@ -79,9 +79,9 @@ class Implementation:
     tile_cols(cols) -> the row width its kernels work on (e.g. padded to a power of two),
       or None: between two measured widths the table then estimates it from the one
       of the same tile width (core/dispatch.py).
-    load_words: the load widths in bytes (widest first) its kernels take of a row that is
-      a whole number of them, any other row a value at a time, or None (no such
-      classes): the measured table keeps rows of each class apart (core/dispatch.py).
+    load_words: the load widths in bytes its kernels take of a row that is a whole number
+      of them, any other row a value at a time (None: 16 bytes only). The measured table
+      keeps rows of each class of the op's cuda implementation apart (core/dispatch.py).
     automatic(query) -> (ok, reason) or bool: where the automatic choice may take it
       (default: wherever supported); e.g. kernels that would need a transpose copy
       leave a softmax over a non-last axis to XLA unless asked for by name.
