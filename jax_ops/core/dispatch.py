@@ -14,7 +14,7 @@ static shapes, in this order:
    dtype, interpolated in log cols; an implementation with `tile_cols`, whose kernels
    pad a row, from the width of its own tile); the fastest one that supports the call
    wins (within 0.5 %, a tie, cuda). Rows are looked up among the entries of their word
-   class (row_word by the implementations' load_words: rows of whole 16-byte words, of
+   class (row_word by the op's cuda load_words: rows of whole 16-byte words, of
    8-byte ones where the kernels have half-word packs, else loaded a value at a time;
    an entry's "word" where it was timed at another load width), from a same-generation
    GPU's table where this GPU's has none of that class; rows of 8-byte words without
