@@ -23,16 +23,17 @@ source benchmarks/gpu_extension.sh
 source benchmarks/gpu_stages.sh
 python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
 HALF_K="half_words or tail_widths or (matches_reference and cuda)"
+SAN_COLS=4,34,36,100,1002,1004,4100,8194  # half-word widths (8k + 4 / 4k + 2) and beside them
 starts tests && TEST_TIMEOUT=${TEST_TIMEOUT:-150} norm_tests tests/test_layer_norm.py tests/test_add_norm.py -k "$HALF_K"
 if starts untable; then
   OP_TIMEOUT=${OP_TIMEOUT:-130} table_specs "${UNTABLE_SPECS:-bf16:$OPS4:36,68,100,268,4100}"
 fi
 if starts sanitize; then
-  DTYPES=float32,bfloat16 SAN_OPS=ln,add_rms RACE_OPS=ln norm_sanitize 17 4,34,36,100,1002,1004,4100,8194 36,4100
+  DTYPES=float32,bfloat16 SAN_OPS=ln,add_rms RACE_OPS=ln norm_sanitize 17 $SAN_COLS 36,4100
 fi
 # sync: synccheck alone at the sanitize stage's widths (its start crashes at times, rc 139).
 if starts sync; then
-  SAN_NAME=sync SAN_TOOLS=synccheck DTYPES=float32,bfloat16 SAN_OPS=ln,add_rms norm_sanitize 17 4,34,36,100,1002,1004,4100,8194 ""
+  SAN_NAME=sync SAN_TOOLS=synccheck DTYPES=float32,bfloat16 SAN_OPS=ln,add_rms norm_sanitize 17 $SAN_COLS ""
 fi
 # UNSWEEP_SPECS: "DT:COLS ..." (default bf16 at its measured widths and between them).
 if starts unsweep; then
