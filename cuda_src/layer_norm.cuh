@@ -36,6 +36,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <algorithm>
+#include <initializer_list>
 #include <type_traits>
 #include "cuda_src/common.h"
 #include "cuda_src/cuda_utils.cuh"
@@ -2642,6 +2643,27 @@ inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k) {
   return {cs, warp_threads(nvec, cs * k), k};
 }
 
+// Values of T in a 16-byte word: the widest pack a thread loads.
+template <typename T>
+constexpr int kVec = 16 / int(sizeof(T));
+
+// The pack a launch takes: kVec<T> where every row is whole 16-byte words and every row
+// pointer (null ones aside) 16-byte aligned, the parameters aligned to a pack of theirs;
+// else half that where the same holds for 8-byte words (16-bit rows of 4k columns, float32
+// of 2k: H100, bf16 LayerNorm, one value a load -> half words, 268 columns fwd 39.4 -> 21.4
+// us, bwd 52.4 -> 37.8; 4100 fwd 899 -> 337, bwd 1326 -> 750; docs/perf-notes.md,
+// thirty-ninth session); else one value a load.
+template <typename T, typename P>
+int row_pack(int64_t cols, std::initializer_list<const void*> rows, std::initializer_list<const void*> params) {
+  for (const int pack : {kVec<T>, kVec<T> / 2}) {
+    bool ok = cols % pack == 0;
+    for (const void* p : rows) ok = ok && aligned_to(p, sizeof(T) * pack);
+    for (const void* p : params) ok = ok && aligned_to(p, sizeof(P) * pack);
+    if (ok) return pack;
+  }
+  return 1;
+}
+
 template <typename T, typename P, int PACK, typename L>
 cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
   // With a residual, rows over 4 KiB go to the block tier: the warp tier's 8 KiB rows
@@ -2650,9 +2672,17 @@ cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
   // since its sums stay two a register (add_packs_rounded): at 1536 / 2048 columns the
   // warp tier is 1.04-1.13x faster than the block tier on the H200.
   static const int add_regs_max_bytes = env_knob("JAX_OPS_NORM_FWD_ADD_REGS_MAX_BYTES", kFwdRegsMaxBytes / 2);
-  const int64_t regs_max_cols = std::is_base_of_v<LoadAdd<T>, L>
+  int64_t regs_max_cols = std::is_base_of_v<LoadAdd<T>, L>
       ? std::min<int64_t>(fwd_regs_max_cols<T, PACK>(), add_regs_max_bytes / int64_t(sizeof(T)))
       : fwd_regs_max_cols<T, PACK>();
+  if constexpr (PACK * sizeof(T) == 8) {
+    // Half-word packs keep the 16-byte packs' edges. Knob JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES
+    // (bytes of a row) caps their warp tier: float32 rows measured faster in the block tiers
+    // past 514 columns (LayerNorm 2002 1.66x -> 1.00x a copy; docs/perf-notes.md, fortieth
+    // session), not yet tested on the GPU there.
+    static const int half_max_bytes = env_knob("JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES", kFwdRegsMaxBytes);
+    regs_max_cols = std::min<int64_t>(regs_max_cols, half_max_bytes / int64_t(sizeof(T)));
+  }
   if (a.cols <= regs_max_cols) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
   if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK, L>(a, stream);
   return launch_fwd_block<T, P, PACK, L>(a, stream);
@@ -2670,20 +2700,11 @@ cudaError_t launch_fwd_load(const FwdAddArgs& a, cudaStream_t stream) {
 template <typename T, typename P>
 cudaError_t launch_fwd(const FwdAddArgs& a, cudaStream_t stream) {
   if (a.rows == 0) return cudaSuccess;
-  constexpr int VEC = 16 / sizeof(T);
-  const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.y, 16) &&
-                      aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.bias, sizeof(P) * VEC) &&
-                      aligned_to(a.residual, 16) && aligned_to(a.h, 16);
-  if (vec_ok) return launch_fwd_load<T, P, VEC>(a, stream);
-  // Rows of a whole number of 8-byte words (16-bit rows of 4k columns, float32 of 2k): packs
-  // of half a 16-byte word, not one value a load. H100, bf16 LayerNorm, one value -> half
-  // words: 268 columns fwd 39.4 -> 21.4 us, bwd 52.4 -> 37.8; 4100 fwd 899 -> 337, bwd
-  // 1326 -> 750 (docs/perf-notes.md, thirty-ninth session). Rows of neither: a value a load.
-  constexpr int HALF = VEC / 2;
-  const bool half_ok = a.cols % HALF == 0 && aligned_to(a.x, 8) && aligned_to(a.y, 8) &&
-                       aligned_to(a.scale, sizeof(P) * HALF) && aligned_to(a.bias, sizeof(P) * HALF) &&
-                       aligned_to(a.residual, 8) && aligned_to(a.h, 8);
-  return half_ok ? launch_fwd_load<T, P, HALF>(a, stream) : launch_fwd_load<T, P, 1>(a, stream);
+  switch (row_pack<T, P>(a.cols, {a.x, a.y, a.residual, a.h}, {a.scale, a.bias})) {
+    case kVec<T>: return launch_fwd_load<T, P, kVec<T>>(a, stream);
+    case kVec<T> / 2: return launch_fwd_load<T, P, kVec<T> / 2>(a, stream);
+    default: return launch_fwd_load<T, P, 1>(a, stream);
+  }
 }
 
 // Backward: dscale/dbias partials go to the XLA-allocated workspace a.work
@@ -3324,7 +3345,14 @@ cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t*
     constexpr int K = PACK >= 8 ? 1 : 8 / PACK;
     return launch_bwd_cluster_k<T, P, PACK, S, K>(a, shape, stream, plan);
   }
-  if (a.cols <= kRegsMaxCols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream, plan);
+  int64_t regs_max_cols = kRegsMaxCols;
+  if constexpr (PACK * sizeof(T) == 8) {
+    // As the forward's: knob JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS caps the half-word packs'
+    // warp tier (float32 add_rms_norm 1002 1.44x -> 0.93x a copy in the block tier).
+    static const int half_max_cols = env_knob("JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS", kRegsMaxCols);
+    regs_max_cols = std::min<int64_t>(regs_max_cols, half_max_cols);
+  }
+  if (a.cols <= regs_max_cols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream, plan);
   if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK, S>(a, stream, plan);
   return launch_bwd_block<T, P, PACK, S>(a, stream, plan);
 }
@@ -3348,14 +3376,11 @@ cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan =
     if (err == cudaSuccess && a.dbias) err = cudaMemsetAsync(a.dbias, 0, size_t(a.cols) * sizeof(P), stream);
     return err;
   }
-  constexpr int VEC = 16 / sizeof(T);
-  const bool vec_ok = a.cols % VEC == 0 && aligned_to(a.x, 16) && aligned_to(a.dy, 16) &&
-                      aligned_to(a.dx, 16) && aligned_to(a.scale, sizeof(P) * VEC) && aligned_to(a.dh, 16);
-  if (vec_ok) return launch_bwd_store<T, P, VEC>(a, stream, plan);
-  constexpr int HALF = VEC / 2;  // as launch_fwd
-  const bool half_ok = a.cols % HALF == 0 && aligned_to(a.x, 8) && aligned_to(a.dy, 8) && aligned_to(a.dx, 8) &&
-                       aligned_to(a.scale, sizeof(P) * HALF) && aligned_to(a.dh, 8);
-  return half_ok ? launch_bwd_store<T, P, HALF>(a, stream, plan) : launch_bwd_store<T, P, 1>(a, stream, plan);
+  switch (row_pack<T, P>(a.cols, {a.x, a.dy, a.dx, a.dh}, {a.scale})) {
+    case kVec<T>: return launch_bwd_store<T, P, kVec<T>>(a, stream, plan);
+    case kVec<T> / 2: return launch_bwd_store<T, P, kVec<T> / 2>(a, stream, plan);
+    default: return launch_bwd_store<T, P, 1>(a, stream, plan);
+  }
 }
 
 }  // namespace jax_ops::norm
