@@ -16,10 +16,6 @@
 # where the GPU is an H200, else the second.
 set -uo pipefail
 STAGES=${1:-tests}
-if [[ "$STAGES" == h200:* ]]; then
-  STAGES=${STAGES#h200:}
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then STAGES=${STAGES%%|*}; else STAGES=${STAGES#*|}; fi
-fi
 source benchmarks/gpu_extension.sh
 source benchmarks/gpu_stages.sh
 python3 benchmarks/dram_bandwidth.py | tee -a "$OUT/env.txt"  # tail_by_device's input
