@@ -33,6 +33,7 @@ fi
 if starts sync; then
   SAN_NAME=sync SAN_TOOLS=synccheck DTYPES=float32,bfloat16 SAN_OPS=ln,add_rms norm_sanitize 17 $SAN_COLS ""
 fi
+starts sw && fwd_bwd_sweeps auto,cuda,flax "${OPS4//,/ }" bf16:32,64,128,264,320,384,1024,4096,16384
 # The untable and unsweep stages run under TABLE_CFG's knobs (exported from here on).
 knob_envs JAX_OPS_NORM_ "${TABLE_CFG:-default}"
 export "${envs[@]}"
@@ -40,6 +41,5 @@ starts untable && OP_TIMEOUT=${OP_TIMEOUT:-130} table_specs "${UNTABLE_SPECS:-f1
 if starts unsweep; then
   fwd_bwd_sweeps auto,cuda,pallas,flax "layer_norm add_rms_norm" "${UNSWEEP_SPECS:-bf16:44,52,1004,2052}"
 fi
-starts sw && fwd_bwd_sweeps auto,cuda,flax "${OPS4//,/ }" bf16:32,64,128,264,320,384,1024,4096,16384
 finish_call "log|env|auto_vs_best|tests|sync"
 exit 0

@@ -5,7 +5,7 @@ t0=$SECONDS
 # STAGES "h200:A|B": the stages A where the GPU is an H200, else B.
 if [[ "${STAGES:-}" == h200:* ]]; then
   STAGES=${STAGES#h200:}
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then STAGES=${STAGES%%|*}; else STAGES=${STAGES#*|}; fi
+  if [[ $(nvidia-smi --query-gpu=name --format=csv,noheader) == *H200* ]]; then STAGES=${STAGES%%|*}; else STAGES=${STAGES#*|}; fi
 fi
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 # The four norm ops, and the 16-bit tail kernels' widths (1 / 2 / 4 values a lane).

@@ -2678,8 +2678,8 @@ cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
   if constexpr (PACK * sizeof(T) == 8) {
     // Half-word packs keep the 16-byte packs' edges. Knob JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES
     // (bytes of a row) caps their warp tier: float32 rows measured faster in the block tiers
-    // past 514 columns (LayerNorm 2002 1.66x -> 1.00x a copy; docs/perf-notes.md, fortieth
-    // session), not yet tested on the GPU there.
+    // from 1002 columns (LayerNorm 2002 1.66x -> 1.00x a copy), add+norm's from 514
+    // (docs/perf-notes.md, fortieth session); the GPU tests do not cover the block tiers there.
     static const int half_max_bytes = env_knob("JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES", kFwdRegsMaxBytes);
     regs_max_cols = std::min<int64_t>(regs_max_cols, half_max_bytes / int64_t(sizeof(T)));
   }
