@@ -2647,21 +2647,24 @@ inline ClusterShape cluster_shape(int64_t nvec, int max_threads, int k) {
 template <typename T>
 constexpr int kVec = 16 / int(sizeof(T));
 
-// The pack a launch takes: kVec<T> where every row is whole 16-byte words and every row
-// pointer (null ones aside) 16-byte aligned, the parameters aligned to a pack of theirs;
-// else half that where the same holds for 8-byte words (16-bit rows of 4k columns, float32
-// of 2k: H100, bf16 LayerNorm, one value a load -> half words, 268 columns fwd 39.4 -> 21.4
-// us, bwd 52.4 -> 37.8; 4100 fwd 899 -> 337, bwd 1326 -> 750; docs/perf-notes.md,
-// thirty-ninth session); else one value a load.
-template <typename T, typename P>
-int row_pack(int64_t cols, std::initializer_list<const void*> rows, std::initializer_list<const void*> params) {
-  for (const int pack : {kVec<T>, kVec<T> / 2}) {
+// launch(std::integral_constant<int, PACK>{}) with the pack a launch takes: kVec<T> where
+// every row is whole 16-byte words and every row pointer (null ones aside) 16-byte aligned,
+// the parameters aligned to a pack of theirs; else half that where the same holds for 8-byte
+// words (16-bit rows of 4k columns, float32 of 2k: H100, bf16 LayerNorm, one value a load ->
+// half words, 268 columns fwd 39.4 -> 21.4 us, bwd 52.4 -> 37.8; 4100 fwd 899 -> 337, bwd
+// 1326 -> 750; docs/perf-notes.md, thirty-ninth session); else one value a load.
+template <typename T, typename P, typename Launch>
+cudaError_t with_row_pack(int64_t cols, std::initializer_list<const void*> row_ptrs,
+                          std::initializer_list<const void*> param_ptrs, Launch&& launch) {
+  const auto fits = [&](int pack) {
     bool ok = cols % pack == 0;
-    for (const void* p : rows) ok = ok && aligned_to(p, sizeof(T) * pack);
-    for (const void* p : params) ok = ok && aligned_to(p, sizeof(P) * pack);
-    if (ok) return pack;
-  }
-  return 1;
+    for (const void* p : row_ptrs) ok = ok && aligned_to(p, sizeof(T) * pack);
+    for (const void* p : param_ptrs) ok = ok && aligned_to(p, sizeof(P) * pack);
+    return ok;
+  };
+  if (fits(kVec<T>)) return launch(std::integral_constant<int, kVec<T>>{});
+  if (fits(kVec<T> / 2)) return launch(std::integral_constant<int, kVec<T> / 2>{});
+  return launch(std::integral_constant<int, 1>{});
 }
 
 template <typename T, typename P, int PACK, typename L>
@@ -2700,11 +2703,8 @@ cudaError_t launch_fwd_load(const FwdAddArgs& a, cudaStream_t stream) {
 template <typename T, typename P>
 cudaError_t launch_fwd(const FwdAddArgs& a, cudaStream_t stream) {
   if (a.rows == 0) return cudaSuccess;
-  switch (row_pack<T, P>(a.cols, {a.x, a.y, a.residual, a.h}, {a.scale, a.bias})) {
-    case kVec<T>: return launch_fwd_load<T, P, kVec<T>>(a, stream);
-    case kVec<T> / 2: return launch_fwd_load<T, P, kVec<T> / 2>(a, stream);
-    default: return launch_fwd_load<T, P, 1>(a, stream);
-  }
+  return with_row_pack<T, P>(a.cols, {a.x, a.y, a.residual, a.h}, {a.scale, a.bias},
+                            [&](auto pack) { return launch_fwd_load<T, P, decltype(pack)::value>(a, stream); });
 }
 
 // Backward: dscale/dbias partials go to the XLA-allocated workspace a.work
@@ -3376,11 +3376,8 @@ cudaError_t launch_bwd(const BwdAddArgs& a, cudaStream_t stream, int64_t* plan =
     if (err == cudaSuccess && a.dbias) err = cudaMemsetAsync(a.dbias, 0, size_t(a.cols) * sizeof(P), stream);
     return err;
   }
-  switch (row_pack<T, P>(a.cols, {a.x, a.dy, a.dx, a.dh}, {a.scale})) {
-    case kVec<T>: return launch_bwd_store<T, P, kVec<T>>(a, stream, plan);
-    case kVec<T> / 2: return launch_bwd_store<T, P, kVec<T> / 2>(a, stream, plan);
-    default: return launch_bwd_store<T, P, 1>(a, stream, plan);
-  }
+  return with_row_pack<T, P>(a.cols, {a.x, a.dy, a.dx, a.dh}, {a.scale},
+                            [&](auto pack) { return launch_bwd_store<T, P, decltype(pack)::value>(a, stream, plan); });
 }
 
 }  // namespace jax_ops::norm
