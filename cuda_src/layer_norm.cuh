@@ -2679,12 +2679,16 @@ cudaError_t launch_fwd_packed(const FwdAddArgs& a, cudaStream_t stream) {
       ? std::min<int64_t>(fwd_regs_max_cols<T, PACK>(), add_regs_max_bytes / int64_t(sizeof(T)))
       : fwd_regs_max_cols<T, PACK>();
   if constexpr (PACK * sizeof(T) == 8) {
-    // Half-word packs keep the 16-byte packs' edges. Knob JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES
-    // (bytes of a row) caps their warp tier: float32 rows measured faster in the block tiers
-    // from 1002 columns (LayerNorm 2002 1.66x -> 1.00x a copy), add+norm's from 514
-    // (docs/perf-notes.md, fortieth session); the GPU tests do not cover the block tiers there.
-    static const int half_max_bytes = env_knob("JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES", kFwdRegsMaxBytes);
-    regs_max_cols = std::min<int64_t>(regs_max_cols, half_max_bytes / int64_t(sizeof(T)));
+    // Half-word packs: the warp tier to fewer bytes than 16-byte packs where the block
+    // tiers measured faster (H100, 49152 rows, fwd µs, warp -> block tier; docs/perf-notes.md,
+    // fortieth session): float32 LayerNorm 514 83.2 -> 89.2, 1002 166.1 -> 152.3, 2002
+    // 467.5 -> 282.2; float32 add_rms_norm 266 79.6 -> 80.2, 514 168.4 -> 146.8; bf16
+    // LayerNorm 3076 240.1 -> 259.0; bf16 add_rms_norm 516 78.0 -> 80.6, 1004 151.3 -> 142.2.
+    // Knob JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES (bytes of a row; 0: these cuts).
+    static const int knob = env_knob("JAX_OPS_NORM_FWD_HALF_REGS_MAX_BYTES", 0);
+    constexpr bool kAdd = std::is_base_of_v<LoadAdd<T>, L>;
+    constexpr int kCut = sizeof(T) == 4 ? (kAdd ? 1024 : 3072) : (kAdd ? 1536 : kFwdRegsMaxBytes);
+    regs_max_cols = std::min<int64_t>(regs_max_cols, (knob > 0 ? knob : kCut) / int64_t(sizeof(T)));
   }
   if (a.cols <= regs_max_cols) return fwd_regs_dispatch<T, P, PACK, L>(a, stream);
   if (a.cols / PACK <= kFwdBlockRegsMaxVec) return launch_fwd_block_regs<T, P, PACK, L>(a, stream);
@@ -3347,13 +3351,28 @@ cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t*
   }
   int64_t regs_max_cols = kRegsMaxCols;
   if constexpr (PACK * sizeof(T) == 8) {
-    // As the forward's: knob JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS caps the half-word packs'
-    // warp tier (float32 add_rms_norm 1002 1.44x -> 0.93x a copy in the block tier).
-    static const int half_max_cols = env_knob("JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS", kRegsMaxCols);
-    regs_max_cols = std::min<int64_t>(regs_max_cols, half_max_cols);
+    // Half-word packs of float32 past 256 columns: the block tier (H100, 49152 rows, bwd µs,
+    // warp -> block tier: LayerNorm 266 59.7 -> 60.8, 514 121.4 -> 107.0, 1002 227.5 ->
+    // 206.6; add_rms_norm 266 88.5 -> 74.6, 1002 404.6 -> 261.2); 16-bit rows keep the warp
+    // tier (bf16 LayerNorm 1004 124.4 -> 150.7, add_rms_norm 164.6 -> 169.5; fortieth
+    // session). Knob JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS (0: these cuts).
+    static const int knob = env_knob("JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS", 0);
+    regs_max_cols = std::min<int64_t>(regs_max_cols, knob > 0 ? knob : sizeof(T) == 4 ? 256 : kRegsMaxCols);
   }
   if (a.cols <= regs_max_cols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream, plan);
-  if (a.cols <= kBlockRegsMaxCols) return launch_bwd_block_regs<T, P, PACK, S>(a, stream, plan);
+  if (a.cols <= kBlockRegsMaxCols) {
+    if constexpr (PACK * sizeof(T) == 8) {
+      // Half-word packs' block tier two packs a thread from the start (a thread's 16 bytes
+      // of a row, as at 16-byte packs) for 16-bit rows: H100 bf16, 49152 rows, bwd µs, one
+      // -> two packs a thread: LayerNorm 1028 183.0 -> 149.4, 2052 513.6 -> 288.4, 3076
+      // 596.4 -> 439.0; add_rms_norm 2052 348.6 -> 333.8, 3076 622.9 -> 498.6; 4100 and 6148
+      // the same (docs/perf-notes.md, forty-first session). float32 rows (0.91-0.99x a copy
+      // at one pack) not measured at two. Knob JAX_OPS_NORM_BWD_HALF_BLOCK_K (1 or 2).
+      static const int half_k = env_knob("JAX_OPS_NORM_BWD_HALF_BLOCK_K", sizeof(T) == 2 ? 2 : 1);
+      if (half_k == 2) return launch_bwd_block_regs<T, P, PACK, S, 2>(a, stream, plan);
+    }
+    return launch_bwd_block_regs<T, P, PACK, S>(a, stream, plan);
+  }
   return launch_bwd_block<T, P, PACK, S>(a, stream, plan);
 }
 

@@ -177,7 +177,7 @@ def test_matches_reference(op, dtype, shape, sdt, bdt, cts, impl):
 HALF_WORD_CASES = [(cols, rows, dtype, i) for i, (rows, cols, dtype) in enumerate(
     [(17, 4, "bfloat16"), (41, 36, "float16"), (301, 100, "bfloat16"), (97, 268, "float16"),
      (61, 1004, "bfloat16"), (37, 4100, "float16"), (13, 12292, "bfloat16"), (7, 20484, "float16"),
-     (17, 2, "float32"), (41, 34, "float32"), (97, 266, "float32"), (61, 1002, "float32"),
+     (17, 2, "float32"), (41, 34, "float32"), (97, 266, "float32"), (29, 514, "float32"), (61, 1002, "float32"),
      (37, 4098, "float32"), (13, 8194, "float32")])]
 
 
@@ -206,7 +206,8 @@ def test_cuda_rows_of_half_words(op, cols, rows, dtype, i):
                                          ((9001, 768), "bfloat16"), ((3001, 2056), "bfloat16"),
                                          ((2001, 3072), "bfloat16"), ((8001, 448), "float16"),
                                          ((20001, 264), "bfloat16"), ((15001, 328), "float16"),
-                                         ((20011, 312), "bfloat16")], ids=str)
+                                         ((20011, 312), "bfloat16"), ((1201, 2052), "bfloat16"),
+                                         ((1200, 3076), "float16"), ((801, 6148), "bfloat16")], ids=str)
 def test_many_rows(op, shape, dtype):
     """More rows than a GPU runs blocks at once: the sm_90 bulk-staged backward (x and dy
     in shared memory, 3 rows a block, dh added as dx is written) refills its stages
@@ -221,7 +222,9 @@ def test_many_rows(op, shape, dtype):
     3072 at twelve a lane (32 lanes; at 2056 one pack past 2048, most slots past the row);
     448 float16: two packs a lane, the backward's scale in registers across rows. 264 / 312
     / 328: the last columns spread over the lanes, 1 / 2 / 4 a lane, many tiles a warp
-    (fwd_tail_kernel; bwd_tail_kernel, two rows a warp for add_layer_norm)."""
+    (fwd_tail_kernel; bwd_tail_kernel, two rows a warp for add_layer_norm). 2052 / 3076 /
+    6148: 16-bit rows of 8-byte words in the backward's block tier, two half-word packs a
+    thread (the last threads' second ones past the row)."""
     need("cuda")
     x, r, scale, bias, dy, dh = make_inputs(seed_of(f"many{op}{shape}{dtype}"), shape, dtype, "float32",
                                             "float32" if op == "add_layer_norm" else None)
