@@ -3366,7 +3366,7 @@ cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t*
       // of a row, as at 16-byte packs) for 16-bit rows: H100 bf16, 49152 rows, bwd µs, one
       // -> two packs a thread: LayerNorm 1028 183.0 -> 149.4, 2052 513.6 -> 288.4, 3076
       // 596.4 -> 439.0; add_rms_norm 2052 348.6 -> 333.8, 3076 622.9 -> 498.6; 4100 and 6148
-      // the same (docs/perf-notes.md, forty-first session). float32 rows (0.91-0.99x a copy
+      // the same (docs/perf-notes.md, forty-first session). float32 rows (0.91-1.04x a copy
       // at one pack) not measured at two. Knob JAX_OPS_NORM_BWD_HALF_BLOCK_K (1 or 2).
       static const int half_k = env_knob("JAX_OPS_NORM_BWD_HALF_BLOCK_K", sizeof(T) == 2 ? 2 : 1);
       if (half_k == 2) return launch_bwd_block_regs<T, P, PACK, S, 2>(a, stream, plan);

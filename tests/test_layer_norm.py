@@ -267,9 +267,9 @@ def test_cuda_backward_long_rows_after_a_narrower_block():
 
 # Rows of a whole number of 8-byte words but not of 16-byte ones (16-bit columns 8k + 4,
 # float32 4k + 2): the cuda kernels' half-word packs (8 bytes a load), from the warp tiers
-# (to 1004 16-bit columns; float32 to 766 forward, 254 backward) through the block tiers
-# (float32 backward 266 and 514, forward 1002; 16-bit 4100) to the long rows (12292 / 8194
-# and past), odd row counts.
+# through the block tiers to the long rows (12292 / 8194 and past), odd row counts. The
+# warp tiers' last widths: forward 16-bit 4092, float32 766; backward 16-bit 1020, float32
+# 254. So the block tiers here: float32 backward from 266, forward from 1002; 16-bit 4100.
 HALF_WORD_CASES = [(17, 4, "bfloat16"), (41, 36, "float16"), (301, 100, "bfloat16"), (97, 268, "float16"),
                    (61, 1004, "bfloat16"), (37, 4100, "float16"), (13, 12292, "bfloat16"), (7, 20484, "float16"),
                    (17, 2, "float32"), (41, 34, "float32"), (97, 266, "float32"), (29, 514, "float32"),
@@ -282,14 +282,15 @@ def test_cuda_rows_of_half_words(rows, cols, dtype):
         check_cuda_rows(op, rows, cols, seed=cols + 30 + i, dtype=jnp.dtype(dtype), poison=True)
 
 
-@pytest.mark.parametrize("rows,cols,dtype", [(1201, 1028, "bfloat16"), (1200, 2052, "float16"),
+@pytest.mark.parametrize("rows,cols,dtype", [(4001, 1028, "bfloat16"), (2400, 2052, "float16"),
                                             (1201, 3076, "bfloat16"), (1201, 4100, "float16"),
                                             (600, 6148, "bfloat16")])
 def test_cuda_backward_block_half_words(rows, cols, dtype):
     """16-bit rows of 8-byte words in the backward's block tier (1028 to 8188 columns): two
     half-word packs a thread from the start (160 threads at 1028 columns, 288 at 2052, 800
     at 6148), pack v on thread v mod threads, so the last threads' second packs fall past
-    the row; enough rows that each block takes several."""
+    the row; rows a few times the blocks an H100 holds at once (estimated from the block
+    sizes), so that blocks go on to later rows."""
     for i, op in enumerate(("layer_norm", "rms_norm")):
         check_cuda_rows(op, rows, cols, seed=cols + 40 + i, dtype=jnp.dtype(dtype), poison=True)
 
