@@ -3357,7 +3357,8 @@ cudaError_t launch_bwd_packed(const BwdAddArgs& a, cudaStream_t stream, int64_t*
     // tier (bf16 LayerNorm 1004 124.4 -> 150.7, add_rms_norm 164.6 -> 169.5; fortieth
     // session). Knob JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS (0: these cuts).
     static const int knob = env_knob("JAX_OPS_NORM_BWD_HALF_REGS_MAX_COLS", 0);
-    regs_max_cols = std::min<int64_t>(regs_max_cols, knob > 0 ? knob : sizeof(T) == 4 ? 256 : kRegsMaxCols);
+    constexpr int kCut = sizeof(T) == 4 ? 256 : kRegsMaxCols;
+    regs_max_cols = std::min<int64_t>(regs_max_cols, knob > 0 ? knob : kCut);
   }
   if (a.cols <= regs_max_cols) return bwd_regs_dispatch<T, P, PACK, S>(a, stream, plan);
   if (a.cols <= kBlockRegsMaxCols) {

@@ -184,15 +184,35 @@ HALF_WORD_CASES = [(cols, rows, dtype, i) for i, (rows, cols, dtype) in enumerat
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("cols,rows,dtype,i", HALF_WORD_CASES)
 def test_cuda_rows_of_half_words(op, cols, rows, dtype, i):
+    check_cuda_rows(op, cols, rows, dtype, i, "half")
+
+
+def check_cuda_rows(op, cols, rows, dtype, i, tag):
+    """The cuda implementation's outputs and gradients of (rows, cols) against the float64
+    reference, after a run on NaN rows; parameter variant and cotangents by i."""
     need("cuda")
     sdt, bdt = support.param_dtypes(PARAM_VARIANTS[op], i, dtype)
     cts = COTANGENTS[i % len(COTANGENTS)]
-    x, r, scale, bias, dy, dh = make_inputs(seed_of(f"half{op}{cols}{dtype}"), (rows, cols), dtype, sdt, bdt)
+    x, r, scale, bias, dy, dh = make_inputs(seed_of(f"{tag}{op}{cols}{dtype}"), (rows, cols), dtype, sdt, bdt)
     run = fwd_bwd_fn(op, "cuda", cts)
     nan = jnp.full_like(x, jnp.nan)
     jax.block_until_ready(run(nan, nan, scale, bias, nan, nan))
     out, grads = run(x, r, scale, bias, dy, dh)
     check(op, x, r, scale, bias, dy, dh, out, grads, cotangents=cts)
+
+
+# 16-bit rows of the backward's block tier that are not whole 16-byte words (as
+# test_layer_norm.UNALIGNED_ROW_CASES), each parameter variant and cotangent set (dh added
+# as dx is stored).
+UNALIGNED_ROW_CASES = [(cols, rows, dtype, i) for i, (rows, cols, dtype) in enumerate(
+    [(4001, 1025, "bfloat16"), (2401, 1030, "float16"), (1201, 2052, "bfloat16"), (1201, 4100, "float16"),
+     (601, 4611, "bfloat16"), (600, 6150, "float16"), (5, 2051, "bfloat16")])]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("cols,rows,dtype,i", UNALIGNED_ROW_CASES)
+def test_cuda_backward_block_unaligned_rows(op, cols, rows, dtype, i):
+    check_cuda_rows(op, cols, rows, dtype, i, "unaligned")
 
 
 @pytest.mark.heavy
