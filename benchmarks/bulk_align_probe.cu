@@ -4,7 +4,10 @@
 // word a thread read from shared memory and stored to dx), bf16 rows of `cols` columns:
 //   mode 0: each row's copy starts at the row (cols % 8 == 0: 16-byte rows);
 //   mode 1: at the row's first 16-byte word of the flat buffer (the shifted kernel);
-//   mode 2: at the row's first 128-byte line (more bytes, aligned source).
+//   mode 2: at the row's first 128-byte line (more bytes, aligned source);
+//   mode 3: 16 bytes past the row's start (16-byte rows: as many bytes as mode 0, from a
+//           source not 128-byte aligned).
+// GB/s count the rows' bytes (modes 1-3 copy, and store, a few more).
 // store 0/1: without / with the dx stores. Prints us per call (cudaEvent, median of 7).
 // Build: nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -I. bulk_align_probe.cu
 #include <algorithm>
@@ -23,7 +26,7 @@ __global__ void __launch_bounds__(1024) probe(const uint4* x, const uint4* dy, u
   const long G = gridDim.x;
   const auto first_byte = [&](long row) {
     const long b = row * cols * 2;
-    return mode == 0 ? b : mode == 1 ? b / 16 * 16 : b / 128 * 128;
+    return mode == 0 ? b : mode == 1 ? b / 16 * 16 : mode == 2 ? b / 128 * 128 : b + 16;
   };
   const auto fill = [&](int st, long row) {
     const long f = first_byte(row);
@@ -72,9 +75,10 @@ int main() {
     float* sink;
     cudaMalloc(&x, bytes); cudaMalloc(&dy, bytes); cudaMalloc(&dx, bytes); cudaMalloc(&sink, 4);
     cudaMemset(x, 1, bytes); cudaMemset(dy, 2, bytes);
-    for (int mode = 0; mode < 3; ++mode) {
-      if (mode == 0 && cols % 8) continue;
-      const int words = mode == 2 ? int((cols * 2 + 127 + 127) / 128 * 8) : int((cols * 2 + 15 + 14) / 16);
+    for (int mode = 0; mode < 4; ++mode) {
+      if ((mode == 0 || mode == 3) && cols % 8) continue;
+      const int words = mode == 2 ? int((cols * 2 + 127 + 127) / 128 * 8)
+                      : mode == 1 ? int((cols * 2 + 15 + 14) / 16) : int(cols * 2 / 16);
       const int threads = (words + 31) / 32 * 32;
       if (threads > 1024) continue;
       const size_t smem = 128 + size_t(kStages) * 2 * words * 16;

@@ -201,7 +201,7 @@ def check_cuda_rows(op, cols, rows, dtype, i, tag):
     check(op, x, r, scale, bias, dy, dh, out, grads, cotangents=cts)
 
 
-# 16-bit rows of the backward's block tier that are not whole 16-byte words (as
+# 16-bit rows of the backward's block tier that are not whole 16-byte words (widths like
 # test_layer_norm.UNALIGNED_ROW_CASES), each parameter variant and cotangent set (dh added
 # as dx is stored).
 UNALIGNED_ROW_CASES = [(cols, rows, dtype, i) for i, (rows, cols, dtype) in enumerate(

@@ -297,11 +297,11 @@ def test_cuda_backward_block_half_words(rows, cols, dtype):
 
 # 16-bit rows of the backward's block tier that are not whole 16-byte words: 1, 3, 4 or 6
 # values past a word (1025; 2051, 3075, 4611; 2052, 4100, 8188; 1030, 6150), 129-1024
-# words a row, odd row counts (the buffers end mid-word) but 1200 x 3075, and one or five
-# rows. Half-word rows take two 8-byte packs a thread, the others a value a load. (The
-# forty-second session's bulk kernel on the flat buffer's 16-byte words, not kept, ran
-# them with these counts in mind: its blocks took rows of one phase, its buffers' last
-# words were loaded by a thread; docs/perf-notes.md.)
+# words a row, odd row counts (the buffers end mid-word) but 1200 x 3075 and 600 x 6150,
+# and one or five rows. Half-word rows take two 8-byte packs a thread, the others a value
+# a load. (The forty-second session's bulk kernel on the flat buffer's 16-byte words, not
+# kept, ran them with these counts in mind: its blocks took rows of one phase, its
+# buffers' last words were loaded by a thread; docs/perf-notes.md.)
 UNALIGNED_ROW_CASES = [(4001, 1025, "bfloat16"), (2401, 1030, "float16"), (1201, 2052, "bfloat16"),
                        (1200, 3075, "float16"), (1201, 4100, "bfloat16"), (601, 4611, "float16"),
                        (600, 6150, "bfloat16"), (301, 8188, "float16"), (1, 1025, "bfloat16"),
